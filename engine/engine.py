@@ -1,0 +1,287 @@
+"""The transformers-backed engine: continuous batching over `LlamaRunner`, with prefix reuse."""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.base import Engine
+from engine.config import EngineConfig
+from engine.detokenize import IncrementalDetokenizer
+from engine.llama import LlamaRunner, PrefillItem
+from engine.prefix_cache import PrefixCache, PrefixEntry, PrefixHandle
+from engine.sampling import make_generator, sample
+from engine.types import FinishReason, GenerationRequest, Result, TokenEvent
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    added_at: float
+    generated: list[int] = field(default_factory=list)
+    slot: int = -1
+    cached: int = 0  # tokens of prompt + generated whose KV is in the slot
+    first_token_at: float | None = None
+    prefix_hit: int = 0
+    finish: FinishReason | None = None
+    new_tokens: list[int] = field(default_factory=list)  # produced in the current step
+    new_text: str = ""
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompt_ids + self.generated
+
+
+class LLMEngine(Engine):
+    """Continuous batching: sequence i of the running batch lives in KV slot i; a finished sequence
+    frees its slot at once (the last running sequence moves into it), and waiting requests are
+    admitted between decode steps, highest priority first."""
+
+    def __init__(self, hf_model, tokenizer, config: EngineConfig, model_name: str | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name or config.served_model_name or config.model
+        context = getattr(hf_model.config, "max_position_embeddings", None) or config.max_model_len
+        self.max_model_len = min(config.max_model_len, context)
+        self.runner = LlamaRunner(hf_model, config.max_batch_size, self.max_model_len)
+        self.stop_token_ids = _stop_token_ids(hf_model, tokenizer)
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes)
+        self._waiting: list[tuple[int, int, _Sequence]] = []
+        self._running: list[_Sequence] = []
+        self._by_id: dict[str, _Sequence] = {}
+        self._results: dict[str, Result] = {}
+        self._order = itertools.count()
+        self._stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        from engine.loader import load_hf_model, resolve_model_dir, select_device_and_dtype
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device, dtype = select_device_and_dtype(config)
+        model, tokenizer = load_hf_model(resolve_model_dir(config.model, config.cache_dir), dtype, device)
+        return cls(model, tokenizer, config)
+
+    # ---- requests in ----------------------------------------------------------------------------
+    def add(self, request: GenerationRequest) -> None:
+        if request.id in self._by_id or request.id in self._results:
+            raise ValueError(f"id: request '{request.id}' is already known to this engine")
+        prompt_len = len(request.prompt_ids) + len(request.resume_ids)
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"prompt_ids: the prompt has {prompt_len} tokens; this model's context allows "
+                f"at most {self.max_model_len - 1} before the answer"
+            )
+        if len(request.resume_ids) >= request.params.max_tokens:
+            raise ValueError("resume_ids: already as long as max_tokens; nothing left to generate")
+        sequence = _Sequence(
+            request=request.model_copy(update={"prompt_ids": list(request.prompt_ids)}),
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            generator=make_generator(request.params),
+            added_at=time.perf_counter(),
+            generated=list(request.resume_ids),
+        )
+        if request.resume_ids:
+            sequence.detokenizer.add(sequence.generated)
+        self._by_id[request.id] = sequence
+        heapq.heappush(self._waiting, (-request.priority, next(self._order), sequence))
+
+    def abort(self, request_id: str) -> bool:
+        sequence = self._by_id.get(request_id)
+        if sequence is None:
+            return False
+        if sequence.slot >= 0:
+            self._finish(sequence, FinishReason.ABORT)
+        else:
+            self._waiting = [w for w in self._waiting if w[2] is not sequence]
+            heapq.heapify(self._waiting)
+            self._store_result(sequence, FinishReason.ABORT)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def pop_result(self, request_id: str) -> Result | None:
+        return self._results.pop(request_id, None)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        self._stats["steps"] += 1
+        admitted = self._admit()
+        self._release_finished(admitted)
+        batch = list(self._running)
+        if batch:
+            tokens = torch.tensor([s.generated[-1] for s in batch], device=self.runner.device)
+            positions = torch.tensor([s.cached for s in batch], device=self.runner.device)
+            logits = self.runner.decode(tokens, positions)
+            for s in batch:
+                s.cached += 1
+            self._accept(batch, logits)
+            self._release_finished(batch)
+        seen = {id(s) for s in admitted}
+        touched = admitted + [s for s in batch if id(s) not in seen]
+        return [self._event(s) for s in touched if s.new_tokens or s.finish]
+
+    def _release_finished(self, sequences: list[_Sequence]) -> None:
+        for sequence in sequences:
+            if sequence.finish is not None and sequence.slot >= 0:
+                self._release(sequence)
+
+    def _admit(self) -> list[_Sequence]:
+        """Move waiting requests into free slots and prefill them; returns the admitted ones."""
+        admitted, items, budget = [], [], self.config.max_prefill_tokens
+        whole_prompt_cached = {}
+        while self._waiting and len(self._running) < self.runner.max_slots:
+            sequence = self._waiting[0][2]
+            todo = sequence.tokens
+            hit = self.prefix_cache.longest_match(todo, count=False)
+            need = len(todo) - (len(hit.token_ids) if hit else 0)
+            if admitted and need > budget:
+                break
+            heapq.heappop(self._waiting)
+            self.prefix_cache.count(hit)
+            budget -= need
+            sequence.slot = len(self._running)
+            self._running.append(sequence)
+            admitted.append(sequence)
+            if hit is not None:
+                self.runner.write_slot(sequence.slot, hit.kv)
+                sequence.prefix_hit = len(hit.token_ids)
+                whole_prompt_cached[id(sequence)] = hit.last_logits
+            sequence.cached = sequence.prefix_hit
+            if need:
+                items.append(PrefillItem(sequence.slot, todo[sequence.prefix_hit :], sequence.prefix_hit))
+        if not admitted:
+            return []
+        logits = self.runner.prefill(items) if items else None
+        rows, row = [], 0
+        for sequence in admitted:
+            if sequence.cached < len(sequence.tokens):
+                self._stats["prefill_tokens"] += len(sequence.tokens) - sequence.cached
+                rows.append(logits[row])
+                row += 1
+                sequence.cached = len(sequence.tokens)
+            else:  # the whole prompt was a cached prefix: its stored logits give the first token
+                rows.append(whole_prompt_cached[id(sequence)])
+        self._accept(admitted, torch.stack(rows))
+        return admitted
+
+    def _accept(self, batch: list[_Sequence], logits: torch.Tensor) -> None:
+        """Append one sampled token to each sequence and decide whether it is done."""
+        chosen = sample(logits, [s.request.params for s in batch], [s.generator for s in batch])
+        now = time.perf_counter()
+        for sequence, token in zip(batch, chosen):
+            if sequence.finish is not None:
+                continue
+            sequence.first_token_at = sequence.first_token_at or now
+            if token in self.stop_token_ids:
+                sequence.finish = FinishReason.STOP
+                continue
+            sequence.generated.append(token)
+            sequence.new_tokens.append(token)
+            self._stats["generated_tokens"] += 1
+            sequence.new_text += sequence.detokenizer.add(sequence.generated)
+            sequence.finish = self._check_finish(sequence)
+
+    def _check_finish(self, sequence: _Sequence) -> FinishReason | None:
+        params = sequence.request.params
+        if params.stop:
+            text = sequence.detokenizer.text
+            window = len(sequence.new_text) + max(map(len, params.stop))
+            hits = [i for i in (text.find(s, max(0, len(text) - window)) for s in params.stop) if i >= 0]
+            if hits:
+                cut = min(hits)
+                dropped = len(text) - cut
+                sequence.detokenizer.text = text[:cut]
+                sequence.new_text = sequence.new_text[: max(0, len(sequence.new_text) - dropped)]
+                return FinishReason.STOP
+        produced = len(sequence.generated)
+        if produced >= params.max_tokens or len(sequence.tokens) >= self.max_model_len:
+            return FinishReason.LENGTH
+        if params.length_cap is not None and produced >= params.length_cap:
+            return FinishReason.CUT
+        return None
+
+    def _event(self, sequence: _Sequence) -> TokenEvent:
+        event = TokenEvent(
+            request_id=sequence.request.id,
+            token_ids=sequence.new_tokens,
+            text=sequence.new_text,
+            finish_reason=sequence.finish,
+        )
+        sequence.new_tokens, sequence.new_text = [], ""
+        return event
+
+    def _finish(self, sequence: _Sequence, reason: FinishReason) -> None:
+        sequence.finish = reason
+        self._release(sequence)
+
+    def _release(self, sequence: _Sequence) -> None:
+        """Free the slot at once: the last running sequence moves into it, keeping slots dense."""
+        slot, last = sequence.slot, self._running.pop()
+        if last is not sequence:
+            self.runner.move_slot(last.slot, slot, last.cached)
+            last.slot = slot
+            self._running[slot] = last
+        sequence.slot = -1
+        self._store_result(sequence, sequence.finish)
+
+    def _store_result(self, sequence: _Sequence, reason: FinishReason) -> None:
+        now = time.perf_counter()
+        self._by_id.pop(sequence.request.id, None)
+        self._stats["finished"] += 1
+        self._results[sequence.request.id] = Result(
+            request_id=sequence.request.id,
+            prompt_tokens=len(sequence.request.prompt_ids),
+            token_ids=sequence.generated,
+            text=sequence.detokenizer.text,
+            finish_reason=reason,
+            ttft_s=(sequence.first_token_at or now) - sequence.added_at,
+            latency_s=now - sequence.added_at,
+            prefix_hit_tokens=sequence.prefix_hit,
+        )
+
+    # ---- prefixes and stats ---------------------------------------------------------------------
+    def prefill_prefix(self, token_ids: list[int]) -> PrefixHandle:
+        key = tuple(token_ids)
+        if not key or len(key) >= self.max_model_len:
+            raise ValueError(f"token_ids: a prefix needs 1 to {self.max_model_len - 1} tokens, got {len(key)}")
+        if self.prefix_cache.get(key) is None:
+            scratch = self.runner.scratch_slot
+            base = self.prefix_cache.longest_match(token_ids, count=False)  # a shorter one: extend it
+            start = 0
+            if base is not None:
+                self.runner.write_slot(scratch, base.kv)
+                start = len(base.token_ids)
+            logits = self.runner.prefill([PrefillItem(scratch, token_ids[start:], start)])[0]
+            self._stats["prefill_tokens"] += len(key) - start
+            self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(scratch, len(key)), logits))
+        return PrefixHandle(length=len(key), key=hash(key))
+
+    def stats(self) -> dict:
+        cache = self.prefix_cache
+        return {
+            **self._stats,
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "prefix_entries": len(cache),
+            "prefix_bytes": cache.bytes,
+            "prefix_hits": cache.hits,
+            "prefix_misses": cache.misses,
+            "prefix_hit_tokens": cache.hit_tokens,
+        }
+
+
+def _stop_token_ids(hf_model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(hf_model, "generation_config", None), hf_model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return ids

@@ -1,0 +1,83 @@
+"""An LRU of prefix KV caches keyed by token ids, bounded in bytes."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefixEntry:
+    """KV of a token prefix ([layers, kv_heads, length, head_dim] each) and the logits after it."""
+
+    token_ids: tuple[int, ...]
+    kv: tuple[torch.Tensor, torch.Tensor]
+    last_logits: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.kv, self.last_logits))
+
+
+@dataclass(frozen=True)
+class PrefixHandle:
+    """What a caller keeps after `prefill_prefix`: enough to recognise the prefix again."""
+
+    length: int
+    key: int
+
+
+class PrefixCache:
+    """Longest-match lookup over cached prefixes; least recently used entries go first."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[int, ...], PrefixEntry] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.hit_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, token_ids: tuple[int, ...]) -> PrefixEntry | None:
+        entry = self._entries.get(token_ids)
+        if entry is not None:
+            self._entries.move_to_end(token_ids)
+        return entry
+
+    def put(self, entry: PrefixEntry) -> bool:
+        """Store an entry; returns False when it alone exceeds the bound."""
+        if entry.nbytes > self.max_bytes:
+            return False
+        old = self._entries.pop(entry.token_ids, None)
+        if old is not None:
+            self.bytes -= old.nbytes
+        self._entries[entry.token_ids] = entry
+        self.bytes += entry.nbytes
+        while self.bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= evicted.nbytes
+        return True
+
+    def longest_match(self, prompt_ids: list[int], count: bool = True) -> PrefixEntry | None:
+        """The longest cached prefix of `prompt_ids`; `count` records it as a hit or a miss."""
+        best = None
+        for key, entry in self._entries.items():
+            if len(key) <= len(prompt_ids) and (best is None or len(key) > len(best.token_ids)):
+                if tuple(prompt_ids[: len(key)]) == key:
+                    best = entry
+        if count:
+            self.count(best)
+        return best
+
+    def count(self, entry: PrefixEntry | None) -> None:
+        """Record one lookup's outcome (and refresh the entry's recency)."""
+        if entry is None:
+            self.misses += 1
+            return
+        self._entries.move_to_end(entry.token_ids)
+        self.hits += 1
+        self.hit_tokens += len(entry.token_ids)

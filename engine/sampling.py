@@ -1,0 +1,42 @@
+"""Pick the next token of each sequence from its logits, by its own sampling params."""
+from __future__ import annotations
+
+import torch
+
+from engine.types import SamplingParams
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """A private random stream per request, so a seeded request replays whatever its batch mates do."""
+    if params.greedy:
+        return None
+    generator = torch.Generator()
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+def _sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest set whose mass reaches top_p (the first token always stays)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        sorted_probs[outside] = 0.0
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """logits: float32 [batch, vocab] on any device. Greedy rows take the argmax."""
+    logits = logits.cpu()
+    chosen = logits.argmax(dim=-1).tolist()
+    for row, (p, g) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            chosen[row] = _sample_one(logits[row], p, g)
+    return chosen
