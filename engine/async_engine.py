@@ -1,0 +1,157 @@
+"""Run an `Engine` on its own thread and serve it to asyncio code: submit, stream, cancel."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from engine.base import Engine
+from engine.types import GenerationRequest, Result, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; requests cannot be served by this replica."""
+
+
+class _Subscriber:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def push(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _abort_and_drop(engine: Engine, request_id: str) -> None:
+    if engine.abort(request_id):
+        engine.pop_result(request_id)
+
+
+class AsyncEngine:
+    """One thread owns the engine and loops `step()` while there is work; everything else talks to
+    it through an inbox, so the engine itself never needs locks. torch releases the GIL inside its
+    kernels, so the asyncio side stays responsive while a step runs."""
+
+    def __init__(self, engine: Engine, stuck_after_s: float = 120.0):
+        self.engine = engine
+        self.stuck_after_s = stuck_after_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._subscribers: dict[str, _Subscriber] = {}
+        self._stopping = False
+        self._step_started: float | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side ---------------------------------------------------------------------------
+    async def call(self, fn: Callable):
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        if self.error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"engine loop is not running: {self.error!r}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((fn, future))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Result]:
+        """Yield the request's token events as they are produced, then its `Result`.
+
+        Leaving the iteration early (client gone, task cancelled) aborts the request."""
+        subscriber = _Subscriber(asyncio.get_running_loop())
+        self._subscribers[request.id] = subscriber
+        done = False
+        try:
+            await self.call(lambda engine: engine.add(request))
+            while True:
+                item = await subscriber.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, Result):
+                    done = True
+                    return
+        finally:
+            self._subscribers.pop(request.id, None)
+            if not done and self.error is None and self._thread.is_alive():
+                self._inbox.put((lambda engine: _abort_and_drop(engine, request.id), None))
+                self._wake.set()
+
+    async def generate(self, request: GenerationRequest) -> Result:
+        async for item in self.stream(request):
+            if isinstance(item, Result):
+                return item
+        raise EngineDeadError(f"request {request.id} ended without a result")
+
+    def health(self) -> dict:
+        """Alive and stepping: a step running longer than `stuck_after_s` counts as stuck."""
+        step_age = time.monotonic() - self._step_started if self._step_started else 0.0
+        healthy = self._thread.is_alive() and self.error is None and step_age < self.stuck_after_s
+        return {"healthy": healthy, "step_age_s": round(step_age, 3), "error": repr(self.error) if self.error else None}
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_work():
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                self._step_started = time.monotonic()
+                events = self.engine.step()
+                self._step_started = None
+                self._deliver(events)
+        except BaseException as exc:  # a broken engine must fail its requests, not hang them
+            log.exception("engine loop died")
+            self.error = exc
+            for subscriber in list(self._subscribers.values()):
+                subscriber.push(EngineDeadError(f"engine loop died: {exc!r}"))
+            self._fail_inbox(exc)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                fn, future = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(self.engine)
+            except Exception as exc:
+                if future is not None:
+                    future.set_exception(exc)
+                continue
+            if future is not None:
+                future.set_result(result)
+
+    def _fail_inbox(self, exc: BaseException) -> None:
+        while True:
+            try:
+                _, future = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None:
+                future.set_exception(EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            subscriber = self._subscribers.get(event.request_id)
+            if event.finish_reason is None:
+                if subscriber:
+                    subscriber.push(event)
+                continue
+            result = self.engine.pop_result(event.request_id)  # always taken, so none piles up
+            if subscriber:
+                subscriber.push(event)
+                subscriber.push(result)

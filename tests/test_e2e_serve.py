@@ -1,0 +1,104 @@
+"""End to end: real Ray, real Serve, the real embedded SmolLM2 model, over HTTP."""
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"engine": {"max_batch_size": 8, "max_model_len": 1024, "num_threads": 2},
+            "limits": {"default_max_tokens": 48, "max_tokens_limit": 256}}
+    serve.run(build_app(args), name="plato", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    with httpx.Client(base_url=base, timeout=300) as client:
+        yield client
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _ask(client, content: str, **extra):
+    body = {"model": "any", "messages": [{"role": "user", "content": content}], **extra}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def test_answers_a_real_question(server):
+    response = _ask(server, "What is the capital of France?", max_tokens=24)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    answer = body["choices"][0]["message"]["content"]
+    assert "Paris" in answer
+    assert body["object"] == "chat.completion"
+    assert body["usage"]["completion_tokens"] > 0
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+
+
+def test_concurrent_requests_all_answered(server):
+    import concurrent.futures
+
+    questions = ["Name a primary color.", "What is 2 plus 2?", "Say hello in French.", "Name a planet."]
+    with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
+        responses = list(pool.map(lambda q: _ask(server, q, max_tokens=16), questions))
+    assert [r.status_code for r in responses] == [200] * len(questions)
+    assert all(r.json()["choices"][0]["message"]["content"].strip() for r in responses)
+
+
+def test_models_and_health(server):
+    models = server.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "embedded:smollm2-135m"
+    health = server.get("/healthz")
+    assert health.status_code == 200 and health.json()["healthy"] is True
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 7}, "temperature"),
+        ({"messages": [{"role": "user", "content": "word " * 2000}]}, "messages"),
+    ],
+)
+def test_bad_input_is_400_naming_the_field(server, body, param):
+    response = server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert param.split(".")[0] in error["message"]
+
+
+def test_replica_survives_bad_input(server):
+    server.post("/v1/chat/completions", content=b"{not json")
+    assert _ask(server, "What is the capital of France?", max_tokens=8).status_code == 200
+
+
+def test_openai_client_works(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    completion = client.chat.completions.create(
+        model="embedded:smollm2-135m",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16,
+    )
+    assert "Paris" in completion.choices[0].message.content
