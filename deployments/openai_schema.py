@@ -41,7 +41,7 @@ class ChatCompletionRequest(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, validate_default=True, description="Up to 4 strings that end the answer.")
     n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
     stream: bool = False
 

@@ -180,7 +180,7 @@ class LLMEngine(Engine):
             if sequence.finish is not None:
                 continue
             sequence.first_token_at = sequence.first_token_at or now
-            if token in self.stop_token_ids:
+            if token in self.stop_token_ids and not sequence.request.params.ignore_eos:
                 sequence.finish = FinishReason.STOP
                 continue
             sequence.generated.append(token)

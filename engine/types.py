@@ -17,6 +17,7 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     seed: int | None = Field(None, description="Seed for sampling: the same seed gives the same output.")
     stop: list[str] = Field(default_factory=list, description="Strings that end the answer (not included).")
+    ignore_eos: bool = Field(False, description="Keep going past end-of-sequence (benchmarks).")
     length_cap: int | None = Field(
         None,
         ge=1,

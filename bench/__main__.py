@@ -1,0 +1,27 @@
+"""`python -m bench <scenario> [options]`: benchmarks that print ratios against a baseline measured
+in the same run and write bench/results/<scenario>.json."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+SCENARIOS = {
+    "engine": "bench.engine_bench",
+}
+
+
+def main(argv: list[str]) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=logging.WARNING)
+    if not argv or argv[0] not in SCENARIOS:
+        print(f"usage: python -m bench {{{','.join(SCENARIOS)}}} [--quick] [options]", file=sys.stderr)
+        return 2
+    import importlib
+
+    importlib.import_module(SCENARIOS[argv[0]]).run(argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
