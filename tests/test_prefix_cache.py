@@ -1,0 +1,114 @@
+"""PrefixCache: longest-prefix lookup, a byte-bounded LRU, hit/miss accounting; and how the engine
+uses it through prefill_prefix."""
+from __future__ import annotations
+
+import torch
+
+from engine.prefix_cache import PrefixCache, PrefixEntry
+from engine.types import GenerationRequest, SamplingParams
+
+
+def entry(*token_ids: int, floats: int = 10) -> PrefixEntry:
+    """An entry of exactly 8 * floats + 20 bytes (two float32 KV tensors and 5 float32 logits)."""
+    kv = (torch.zeros(floats), torch.zeros(floats))
+    return PrefixEntry(tuple(token_ids), kv, torch.zeros(5))
+
+
+ENTRY_BYTES = 100  # entry() with the default size
+
+
+def test_entry_size_counts_kv_and_logits():
+    assert entry(1).nbytes == ENTRY_BYTES
+    assert entry(1, floats=20).nbytes == 180
+
+
+def test_longest_matching_prefix_wins():
+    cache = PrefixCache(10_000)
+    for key in [(1, 2), (1, 2, 3), (1, 2, 3, 4, 5), (9,), (1, 7)]:
+        assert cache.put(entry(*key))
+    assert cache.longest_match([1, 2, 3, 4, 7]).token_ids == (1, 2, 3)
+    assert cache.longest_match([1, 2, 3, 4, 5, 6]).token_ids == (1, 2, 3, 4, 5)
+    assert cache.longest_match([1, 2, 3, 4, 5]).token_ids == (1, 2, 3, 4, 5)  # the whole prompt
+    assert cache.longest_match([1, 2, 3, 4]).token_ids == (1, 2, 3)  # a key longer than the prompt never matches
+    assert cache.longest_match([1, 2]).token_ids == (1, 2)
+    assert cache.longest_match([9, 1, 2]).token_ids == (9,)
+    assert cache.longest_match([2, 1, 2, 3]) is None
+    assert cache.longest_match([1]) is None
+
+
+def test_hit_and_miss_counters():
+    cache = PrefixCache(10_000)
+    cache.put(entry(1, 2, 3))
+    cache.longest_match([1, 2, 3, 4])
+    cache.longest_match([1, 2, 3])
+    cache.longest_match([5, 6])
+    cache.longest_match([1, 2, 3, 9], count=False)  # a peek: not counted
+    assert (cache.hits, cache.misses, cache.hit_tokens) == (2, 1, 6)
+    cache.count(None)
+    cache.count(cache.get((1, 2, 3)))
+    assert (cache.hits, cache.misses, cache.hit_tokens) == (3, 2, 9)
+
+
+def test_eviction_by_bytes_goes_in_lru_order():
+    cache = PrefixCache(2 * ENTRY_BYTES + 50)  # room for two entries
+    cache.put(entry(1))
+    cache.put(entry(2))
+    assert cache.get((1,)) is not None  # (1,) is now the most recently used
+    cache.put(entry(3))
+    assert cache.get((2,)) is None and cache.get((1,)) is not None and cache.get((3,)) is not None
+    assert len(cache) == 2 and cache.bytes == 2 * ENTRY_BYTES
+    cache.put(entry(4, floats=20))  # 180 bytes: both others must go to fit it
+    assert len(cache) == 1 and cache.bytes == 180 and cache.get((4,)) is not None
+
+
+def test_counted_hit_refreshes_recency_but_a_peek_does_not():
+    cache = PrefixCache(2 * ENTRY_BYTES)
+    cache.put(entry(1))
+    cache.put(entry(2))
+    cache.longest_match([1, 5], count=False)
+    cache.put(entry(3))
+    assert cache.get((1,)) is None  # the peek left (1,) least recently used
+    cache.longest_match([2, 5])  # counted: (2,) becomes most recent
+    cache.put(entry(4))
+    assert cache.get((3,)) is None and cache.get((2,)) is not None
+
+
+def test_entry_larger_than_the_bound_is_refused_without_evicting():
+    cache = PrefixCache(ENTRY_BYTES + 10)
+    assert cache.put(entry(1))
+    assert cache.put(entry(2, floats=20)) is False
+    assert cache.get((2,)) is None and cache.get((1,)) is not None
+    assert cache.bytes == ENTRY_BYTES and len(cache) == 1
+    assert PrefixCache(0).put(entry(1)) is False
+
+
+def test_replacing_a_key_does_not_double_count_bytes():
+    cache = PrefixCache(10_000)
+    cache.put(entry(1, 2))
+    cache.put(entry(1, 2, floats=20))
+    assert len(cache) == 1 and cache.bytes == 180
+
+
+# ---- through the engine -------------------------------------------------------------------------
+def test_prefill_prefix_extends_a_shorter_cached_prefix(make_engine, decode_alone):
+    prompt = [7, 50, 51, 52, 60, 61, 62, 63, 64, 70, 71]
+    engine = make_engine()
+    first = engine.prefill_prefix(prompt[:4])
+    longer = engine.prefill_prefix(prompt[:9])  # built on top of the 4-token entry
+    assert (first.length, longer.length) == (4, 9)
+    assert engine.stats()["prefix_entries"] == 2
+    assert engine.stats()["prefill_tokens"] == 9  # the 4 cached tokens were not recomputed
+    [result] = engine.generate([GenerationRequest(prompt_ids=prompt, params=SamplingParams(max_tokens=12))])
+    assert result.prefix_hit_tokens == 9
+    assert result.token_ids == decode_alone(prompt, max_tokens=12).token_ids
+    assert engine.stats()["prefix_hit_tokens"] == 9
+
+
+def test_zero_byte_cache_disables_prefix_reuse(make_engine, decode_alone):
+    prompt = [9, 20, 21, 22, 23, 24, 25]
+    engine = make_engine(prefix_cache_bytes=0)
+    engine.prefill_prefix(prompt[:5])
+    [result] = engine.generate([GenerationRequest(prompt_ids=prompt, params=SamplingParams(max_tokens=6))])
+    assert result.prefix_hit_tokens == 0
+    assert result.token_ids == decode_alone(prompt, max_tokens=6).token_ids
+    assert engine.stats()["prefix_entries"] == 0 and engine.stats()["prefix_misses"] == 1
