@@ -45,6 +45,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._subscribers: dict[str, _Subscriber] = {}
         self._stopping = False
+        self._inbox_lock = threading.Lock()  # no work is queued once the loop has died
         self._step_started: float | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -53,10 +54,11 @@ class AsyncEngine:
     # ---- asyncio side ---------------------------------------------------------------------------
     async def call(self, fn: Callable):
         """Run `fn(engine)` on the engine thread between steps and return its result."""
-        if self.error is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"engine loop is not running: {self.error!r}")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put((fn, future))
+        with self._inbox_lock:
+            if self.error is not None or not self._thread.is_alive():
+                raise EngineDeadError(f"engine loop is not running: {self.error!r}")
+            self._inbox.put((fn, future))
         self._wake.set()
         return await asyncio.wrap_future(future)
 
@@ -64,11 +66,14 @@ class AsyncEngine:
         """Yield the request's token events as they are produced, then its `Result`.
 
         Leaving the iteration early (client gone, task cancelled) aborts the request."""
+        if request.id in self._subscribers:
+            raise ValueError(f"id: request '{request.id}' is already in flight")
         subscriber = _Subscriber(asyncio.get_running_loop())
         self._subscribers[request.id] = subscriber
-        done = False
+        added = done = False
         try:
             await self.call(lambda engine: engine.add(request))
+            added = True
             while True:
                 item = await subscriber.queue.get()
                 if isinstance(item, BaseException):
@@ -79,7 +84,7 @@ class AsyncEngine:
                     return
         finally:
             self._subscribers.pop(request.id, None)
-            if not done and self.error is None and self._thread.is_alive():
+            if added and not done and self.error is None and self._thread.is_alive():
                 self._inbox.put((lambda engine: _abort_and_drop(engine, request.id), None))
                 self._wake.set()
 
@@ -113,12 +118,15 @@ class AsyncEngine:
                 events = self.engine.step()
                 self._step_started = None
                 self._deliver(events)
+            reason: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as exc:  # a broken engine must fail its requests, not hang them
             log.exception("engine loop died")
-            self.error = exc
-            for subscriber in list(self._subscribers.values()):
-                subscriber.push(EngineDeadError(f"engine loop died: {exc!r}"))
-            self._fail_inbox(exc)
+            reason = exc
+        with self._inbox_lock:
+            self.error = reason
+        for subscriber in list(self._subscribers.values()):
+            subscriber.push(EngineDeadError(f"engine loop stopped: {reason!r}"))
+        self._fail_inbox(reason)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -142,7 +150,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if future is not None:
-                future.set_exception(EngineDeadError(f"engine loop died: {exc!r}"))
+                future.set_exception(EngineDeadError(f"engine loop stopped: {exc!r}"))
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         for event in events:

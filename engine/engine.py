@@ -30,7 +30,7 @@ class _Sequence:
     prefix_hit: int = 0
     finish: FinishReason | None = None
     new_tokens: list[int] = field(default_factory=list)  # produced in the current step
-    new_text: str = ""
+    sent_chars: int = 0  # text already handed out in events
 
     @property
     def tokens(self) -> list[int]:
@@ -89,6 +89,7 @@ class LLMEngine(Engine):
         )
         if request.resume_ids:
             sequence.detokenizer.add(sequence.generated)
+            sequence.sent_chars = len(sequence.detokenizer.text)
         self._by_id[request.id] = sequence
         heapq.heappush(self._waiting, (-request.priority, next(self._order), sequence))
 
@@ -186,20 +187,17 @@ class LLMEngine(Engine):
             sequence.generated.append(token)
             sequence.new_tokens.append(token)
             self._stats["generated_tokens"] += 1
-            sequence.new_text += sequence.detokenizer.add(sequence.generated)
+            sequence.detokenizer.add(sequence.generated)
             sequence.finish = self._check_finish(sequence)
 
     def _check_finish(self, sequence: _Sequence) -> FinishReason | None:
         params = sequence.request.params
         if params.stop:
+            # Unsent text holds any partial stop string (see _event), so a match starts after it.
             text = sequence.detokenizer.text
-            window = len(sequence.new_text) + max(map(len, params.stop))
-            hits = [i for i in (text.find(s, max(0, len(text) - window)) for s in params.stop) if i >= 0]
+            hits = [i for i in (text.find(s, sequence.sent_chars) for s in params.stop) if i >= 0]
             if hits:
-                cut = min(hits)
-                dropped = len(text) - cut
-                sequence.detokenizer.text = text[:cut]
-                sequence.new_text = sequence.new_text[: max(0, len(sequence.new_text) - dropped)]
+                sequence.detokenizer.text = text[: min(hits)]
                 return FinishReason.STOP
         produced = len(sequence.generated)
         if produced >= params.max_tokens or len(sequence.tokens) >= self.max_model_len:
@@ -209,13 +207,17 @@ class LLMEngine(Engine):
         return None
 
     def _event(self, sequence: _Sequence) -> TokenEvent:
+        text = sequence.detokenizer.text
+        end = len(text)
+        if sequence.finish is None:  # hold back a tail that may still become a stop string
+            end -= _partial_stop_length(text, sequence.request.params.stop)
         event = TokenEvent(
             request_id=sequence.request.id,
             token_ids=sequence.new_tokens,
-            text=sequence.new_text,
+            text=text[sequence.sent_chars : end],
             finish_reason=sequence.finish,
         )
-        sequence.new_tokens, sequence.new_text = [], ""
+        sequence.new_tokens, sequence.sent_chars = [], max(end, sequence.sent_chars)
         return event
 
     def _finish(self, sequence: _Sequence, reason: FinishReason) -> None:
@@ -276,6 +278,17 @@ class LLMEngine(Engine):
             "prefix_misses": cache.misses,
             "prefix_hit_tokens": cache.hit_tokens,
         }
+
+
+def _partial_stop_length(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is the beginning of some stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
 
 
 def _stop_token_ids(hf_model, tokenizer) -> set[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class SamplingParams(BaseModel):
@@ -21,14 +21,17 @@ class SamplingParams(BaseModel):
     length_cap: int | None = Field(
         None,
         ge=1,
-        description="Hard cap below max_tokens set by a scheduler; hitting it marks the result CUT "
-        "(unfinished, to be re-queued) rather than LENGTH.",
+        description="Hard cap on the answer's total length (resumed tokens included), set by a "
+        "scheduler below max_tokens; hitting it marks the result CUT (unfinished, to be re-queued) "
+        "rather than LENGTH.",
     )
 
-    @property
-    def budget(self) -> int:
-        """Tokens this request may generate in this pass."""
-        return min(self.max_tokens, self.length_cap) if self.length_cap else self.max_tokens
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(not s for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
 
     @property
     def greedy(self) -> bool:

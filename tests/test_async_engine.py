@@ -160,11 +160,6 @@ def test_engine_that_raises_fails_pending_requests_and_turns_unhealthy(serve):
     assert health["healthy"] is False and "boom" in health["error"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="async_engine.py stream(): a duplicate id overwrites the first request's subscriber, and the "
-    "failed add's cleanup pops it and aborts the first request, whose stream then hangs",
-)
 def test_duplicate_id_is_refused_without_harming_the_first_request(serve):
     async_engine = serve(step_delay_s=0.002)
 
@@ -187,18 +182,14 @@ def test_duplicate_id_is_refused_without_harming_the_first_request(serve):
     assert result.finish_reason == FinishReason.LENGTH and len(result.token_ids) == 30
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="async_engine.py call(): checks for a dead loop before queueing, so a call queued just after "
-    "the loop died and drained its inbox is never answered",
-)
 def test_call_racing_with_engine_death_fails_instead_of_hanging(serve):
     exploding = ExplodingEngine(arm_at=10**9)
     async_engine = serve(engine=exploding)
     real_inbox = async_engine._inbox
 
-    class DieBeforePut:
-        """Forces the interleaving: the loop dies (and drains the inbox) between check and put."""
+    class DieDuringPut:
+        """Forces the interleaving: the loop starts dying after the liveness check, before the put
+        lands (the loop gets 0.2 s to get as far as it can)."""
 
         def get_nowait(self):
             return real_inbox.get_nowait()
@@ -206,16 +197,17 @@ def test_call_racing_with_engine_death_fails_instead_of_hanging(serve):
         def put(self, item):
             exploding.armed = True
             async_engine._wake.set()
-            async_engine._thread.join(5)
+            async_engine._thread.join(0.2)
             real_inbox.put(item)
 
-    async_engine._inbox = DieBeforePut()
+    async_engine._inbox = DieDuringPut()
 
     async def main():
         with pytest.raises(EngineDeadError):
-            await asyncio.wait_for(async_engine.call(lambda engine: None), 1)
+            await asyncio.wait_for(async_engine.call(lambda engine: None), 5)
 
     run(main())
+    async_engine._thread.join(5)
     assert not async_engine._thread.is_alive()
 
 

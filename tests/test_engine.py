@@ -280,11 +280,6 @@ def test_token_events_add_up_to_the_result(make_engine, decode_alone):
     _check_events_match_results(make_engine(max_batch_size=2), requests)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine.py _check_finish: a stop string that begins in text already streamed in an earlier "
-    "TokenEvent is cut from Result.text but not retracted from the stream",
-)
 def test_stop_string_spanning_two_tokens_is_not_streamed(make_engine, decode_alone):
     full = decode_alone(ids(7, 130), max_tokens=16).text
     words = full.split(" ")
