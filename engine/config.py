@@ -25,9 +25,6 @@ class EngineConfig(BaseModel):
         description="'auto': bfloat16 on CUDA and on CPUs with native bf16 matmul (AVX512-BF16/AMX), "
         "else float32. float32 is batch-invariant (greedy answers do not depend on batch mates).",
     )
-    attention: Literal["auto", "sdpa", "flash_attn"] = Field(
-        "auto", description="'auto' uses flash-attn on CUDA when installed, else PyTorch SDPA."
-    )
     max_batch_size: int = Field(32, ge=1, le=1024, description="Sequences decoded together (KV slots).")
     max_model_len: int = Field(
         2048, ge=16, description="Longest prompt plus answer, in tokens; capped by the model's own context."

@@ -38,6 +38,12 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x), fused into the matmul where possible."""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        return residual + F.linear(x, self.weight, self.bias)
+
 
 @dataclass
 class _Layer:
@@ -85,6 +91,7 @@ class LlamaRunner:
         self.vocab_size = cfg.vocab_size
         self.max_len = max_len
         self.max_slots = max_slots
+        self.fused_decode_attention = self.device.type != "cpu"
         self.layers = [self._fuse(layer) for layer in inner.layers]
         self.embed = inner.embed_tokens.weight.detach()
         self.final_norm = inner.norm.weight.detach()
@@ -134,14 +141,18 @@ class LlamaRunner:
         """Project tokens [T, hidden] to rotated q [T, H, D] and k, v [T, Hkv, D]."""
         qkv = layer.qkv(self._norm(x, layer.attn_norm))
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = qkv.view(-1, h + 2 * hk, d).split((h, hk, hk), dim=1)
+        qkv = qkv.view(-1, h + 2 * hk, d)
         if layer.q_norm is not None:
-            q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
-        return _rotate(q, *rope), _rotate(k, *rope), v
+            q, k, v = qkv.split((h, hk, hk), dim=1)
+            qk = torch.cat((self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)), dim=1)
+        else:
+            qk, v = qkv[:, : h + hk], qkv[:, h + hk :]
+        q, k = _rotate(qk, *rope).split((h, hk), dim=1)  # one rotation for queries and keys
+        return q, k, v
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
+        return layer.down.add_to(x, F.silu(gate) * up)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._norm(x, self.final_norm)).float()
@@ -160,12 +171,14 @@ class LlamaRunner:
             q, k, v = self._qkv(layer, x, rope)
             self.k_cache[i, slots, :, positions] = k
             self.v_cache[i, slots, :, positions] = v
-            # One query per sequence: plain batched matmuls beat SDPA's kernel launch at this size.
-            q = q.view(batch, self.num_kv_heads, group, self.head_dim)
-            scores = q @ self.k_cache[i, :batch, :, :span].transpose(-1, -2) * self.head_dim**-0.5
-            probs = scores.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
-            attn = probs @ self.v_cache[i, :batch, :, :span]
-            x = x + layer.o(attn.reshape(batch, -1))
+            keys, values = self.k_cache[i, :batch, :, :span], self.v_cache[i, :batch, :, :span]
+            if self.fused_decode_attention:
+                attn = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=~hidden, enable_gqa=True)
+            else:  # one query per sequence: on CPU plain batched matmuls beat SDPA's kernel here
+                q = q.view(batch, self.num_kv_heads, group, self.head_dim)
+                scores = (q @ keys.transpose(-1, -2) * self.head_dim**-0.5).masked_fill_(hidden, float("-inf"))
+                attn = scores.softmax(dim=-1) @ values
+            x = layer.o.add_to(x, attn.reshape(batch, -1))
             x = self._mlp(layer, x)
         return self._logits(x)
 
@@ -189,7 +202,7 @@ class LlamaRunner:
                 self.k_cache[i, it.slot, :, it.start:end] = k[lo:hi].transpose(0, 1)
                 self.v_cache[i, it.slot, :, it.start:end] = v[lo:hi].transpose(0, 1)
                 out[lo:hi] = self._prefill_attention(q[lo:hi], i, it.slot, it.start, end)
-            x = x + layer.o(out.reshape(len(tokens), -1))
+            x = layer.o.add_to(x, out.reshape(len(tokens), -1))
             x = self._mlp(layer, x)
         last = torch.tensor([hi - 1 for _, hi in bounds], device=self.device)
         return self._logits(x[last])

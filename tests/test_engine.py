@@ -53,6 +53,20 @@ def test_runner_logits_match_hf_forward_for_prefill_and_decode(tiny_model):
         torch.testing.assert_close(tail[0], hf(b + [33, 40, 41, 42]), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul-attention", "sdpa-attention"])
+def test_both_decode_attention_paths_match_hf(tiny_model, fused):
+    """The GPU path (SDPA with a padding mask) and the CPU path (batched matmuls) agree with HF."""
+    runner = LlamaRunner(tiny_model, max_slots=2, max_len=64)
+    runner.fused_decode_attention = fused
+    a, b = ids(11, 3), ids(5, 4)  # different lengths: the shorter one is masked in the batch
+    with torch.no_grad():
+        runner.prefill([PrefillItem(0, a, 0), PrefillItem(1, b, 0)])
+        decode = runner.decode(torch.tensor([9, 99]), torch.tensor([len(a), len(b)]))
+        for row, tokens in ((0, a + [9]), (1, b + [99])):
+            expected = tiny_model(torch.tensor([tokens])).logits[0, -1]
+            torch.testing.assert_close(decode[row], expected, atol=1e-5, rtol=1e-5)
+
+
 # ---- greedy equivalence -------------------------------------------------------------------------
 def test_greedy_alone_equals_mixed_batch_equals_prefix_cached(make_engine, decode_alone):
     target = ids(12, 10)
