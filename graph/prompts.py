@@ -1,0 +1,139 @@
+"""Chat prompts for planning, for answering plan nodes, and for the Skeleton-of-Thought baseline.
+
+Every builder returns chat messages (a list of {"role", "content"} dicts) for the engine's
+`encode_chat`. The worked examples are short on purpose: each prompt token is prefilled for
+every request, and a 135M model copies a format from examples far better than from rules.
+"""
+from __future__ import annotations
+
+from graph.plan import DEFAULT_MAX_NODES, Plan, PlanNode
+from graph.plan_format import format_plan
+
+PLAN_SYSTEM = (
+    "You break a question into a few smaller questions that can be answered one by one and then "
+    "put together into a full answer. Write one line per small question: its number, a period, the "
+    "question in under twelve words, then [needs: ...] with the numbers of earlier lines whose "
+    "answers it uses, or [needs: none]. Only earlier lines may be needed. Write {min_lines} to "
+    "{max_lines} lines and nothing else."
+)
+
+# (question, plan text) pairs: the first has real dependencies (work out X, then use X), the second
+# shows that independent parts are fine and common.
+PLAN_EXAMPLES = [
+    (
+        "I want to repaint my bedroom walls. How much paint should I buy and what will it cost?",
+        "1. What is the wall area of a typical bedroom? [needs: none]\n"
+        "2. How much wall does one litre of paint cover? [needs: none]\n"
+        "3. How many litres do two coats of that area take? [needs: 1, 2]\n"
+        "4. What does that amount of paint cost? [needs: 3]",
+    ),
+    (
+        "What can I do to sleep better at night?",
+        "1. Why does a fixed bedtime help? [needs: none]\n"
+        "2. How do screens before bed affect sleep? [needs: none]\n"
+        "3. Which evening foods and drinks keep people awake? [needs: none]\n"
+        "4. How should the bedroom be set up for sleep? [needs: none]",
+    ),
+]
+
+NODE_SYSTEM = (
+    "You answer a question one step at a time. The user asked a question and you wrote a numbered "
+    "plan of steps for it. When the user names a step, answer only that step, in two to four "
+    "plain sentences, using the answers to earlier steps when they are given. Do not repeat the "
+    "question, do not number your answer, and do not answer other steps."
+)
+
+SOT_SYSTEM = (
+    "You outline answers. For the user's question, write a short numbered list of the main points "
+    "an answer should cover, three to six points of a few words each. Write only the list."
+)
+
+SOT_EXAMPLES = [
+    (
+        "How do I keep houseplants alive?",
+        "1. Enough light\n2. Careful watering\n3. Well-draining soil\n4. Occasional feeding",
+    ),
+    (
+        "Why do people learn a second language?",
+        "1. Work opportunities\n2. Travel\n3. Family and friends\n4. Brain exercise",
+    ),
+]
+
+
+def _with_examples(system: str, examples: list[tuple[str, str]], question: str) -> list[dict]:
+    messages = [{"role": "system", "content": system}]
+    for example_question, example_answer in examples:
+        messages.append({"role": "user", "content": example_question})
+        messages.append({"role": "assistant", "content": example_answer})
+    messages.append({"role": "user", "content": question})
+    return messages
+
+
+def plan_messages(question: str, max_nodes: int = DEFAULT_MAX_NODES) -> list[dict]:
+    """The planning prompt: instructions, two worked examples as earlier turns, then the question.
+    The model's reply is the plan in the `graph.plan_format` line format."""
+    system = PLAN_SYSTEM.format(min_lines=2, max_lines=min(max_nodes, 6))
+    return _with_examples(system, PLAN_EXAMPLES, question)
+
+
+def shared_prefix_messages(question: str, plan: Plan) -> list[dict]:
+    """The part of every node prompt that is the same for all nodes of a request: instructions,
+    the question as the user asked it, and the plan as an assistant turn.
+
+    Layout guarantee: `encode_chat(shared_prefix_messages(q, plan), add_generation_prompt=False)`
+    is a token prefix of `encode_chat(node_messages(q, plan, node, parents))` for every node, so
+    its KV cache can be computed once and reused. It holds because the node-specific text is a
+    separate final message: a chat template closes every message with its own end-of-turn
+    special token, and tokenizers split text at special tokens before merging, so nothing after
+    that token can change the tokens before it.
+
+    While the plan is still streaming, pass the plan known so far. The instructions and the
+    question (the first two messages) are then already common to every node prompt, and since
+    repaired nodes never change once emitted, the partial plan's text is a text prefix of the
+    final plan's: a longest-prefix KV match reuses nearly all of it."""
+    return [
+        {"role": "system", "content": NODE_SYSTEM},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": format_plan(plan)},
+    ]
+
+
+def node_task(node: PlanNode, parent_answers: dict[int, str], plan: Plan) -> str:
+    """The node-specific last message: the parents' answers, then which step to answer."""
+    lines = []
+    if parent_answers:
+        lines.append("Answers to earlier steps:")
+        for parent_id in sorted(parent_answers):
+            parent = plan.node(parent_id)
+            lines.append(f"Step {parent_id} ({parent.text}): {parent_answers[parent_id].strip()}")
+        lines.append("")
+    lines.append(f"Now answer step {node.id} only: {node.text}")
+    return "\n".join(lines)
+
+
+def node_messages(question: str, plan: Plan, node: PlanNode, parent_answers: dict[int, str]) -> list[dict]:
+    """The full prompt for one plan node: the shared prefix, then one user message for this node."""
+    return shared_prefix_messages(question, plan) + [
+        {"role": "user", "content": node_task(node, parent_answers, plan)}
+    ]
+
+
+def sot_skeleton_messages(question: str) -> list[dict]:
+    """The Skeleton-of-Thought first stage: a flat numbered list of short points, no dependencies.
+    Its reply parses with `graph.plan_format.parse_plan` (lines without [needs: ...] have none)."""
+    return _with_examples(SOT_SYSTEM, SOT_EXAMPLES, question)
+
+
+def sot_point_messages(question: str, skeleton: list[str], point: int) -> list[dict]:
+    """The Skeleton-of-Thought second stage for point `point` (1-based) of `skeleton`: one user
+    message with the question, the outline and which point to write. The baseline prefills all of
+    it again for every point, so a faithful `sot` mode does not prefill a shared prefix for it."""
+    if not 1 <= point <= len(skeleton):
+        raise ValueError(f"point must be in 1..{len(skeleton)}, got {point}")
+    outline = "\n".join(f"{i}. {text}" for i, text in enumerate(skeleton, start=1))
+    content = (
+        f"You are writing one point of a longer answer.\n\nQuestion: {question}\n\n"
+        f"Outline of the answer:\n{outline}\n\n"
+        f"Write only point {point} ({skeleton[point - 1]}), in one or two sentences."
+    )
+    return [{"role": "user", "content": content}]

@@ -1,0 +1,147 @@
+"""Prompt builders: worked examples in the plan format, and the shared-prefix layout of node
+prompts, checked at message level and at token level with in-process tokenizers (no model)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine.base import Engine
+from graph.plan import Plan, repair
+from graph.plan_format import format_plan, parse_plan
+from graph.prompts import (
+    PLAN_EXAMPLES,
+    SOT_EXAMPLES,
+    node_messages,
+    node_task,
+    plan_messages,
+    shared_prefix_messages,
+    sot_point_messages,
+    sot_skeleton_messages,
+)
+
+QUESTION = "How much paint do I need for my bedroom, and what will it cost?"
+PLAN = parse_plan(
+    QUESTION,
+    "1. What is the wall area? [needs: none]\n2. How far does a litre go? [needs: none]\n"
+    "3. How many litres do two coats take? [needs: 1, 2]\n4. What does that paint cost? [needs: 3]",
+)
+ANSWERS = {1: "About 40 square metres.", 2: "About 10 square metres per litre.", 3: "Eight litres."}
+
+# SmolLM2's own chat template: it inserts a default system turn when the first message is not one
+SMOLLM_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def all_node_messages(plan: Plan) -> list[list[dict]]:
+    parents = lambda node: {d: ANSWERS[d] for d in node.depends_on}  # noqa: E731
+    return [node_messages(QUESTION, plan, node, parents(node)) for node in plan.nodes]
+
+
+def encode_chat(tokenizer, messages, add_generation_prompt=True) -> list[int]:
+    return Engine.encode_chat(SimpleNamespace(tokenizer=tokenizer), messages, add_generation_prompt)
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer():
+    """A byte-level BPE trained in-process on the prompts themselves, so merges do happen across
+    the text near message boundaries, with SmolLM2's chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = [m["content"] for messages in all_node_messages(PLAN) for m in messages]
+    backend.train_from_iterator(corpus * 3, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    tokenizer.chat_template = SMOLLM_TEMPLATE
+    return tokenizer
+
+
+def test_planning_prompt_is_instructions_two_examples_then_the_question():
+    messages = plan_messages(QUESTION)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert messages[-1]["content"] == QUESTION
+    assert "Write 2 to 6 lines" in messages[0]["content"]
+    assert "Write 2 to 3 lines" in plan_messages(QUESTION, max_nodes=3)[0]["content"]
+
+
+@pytest.mark.parametrize("question, text", PLAN_EXAMPLES)
+def test_worked_examples_are_clean_plans_in_the_canonical_format(question, text):
+    plan = parse_plan(question, text)
+    assert format_plan(plan) == text
+    outcome = repair(plan)
+    assert outcome.changes == [] and not outcome.fallback
+
+
+def test_one_worked_example_has_real_dependencies_and_one_has_none():
+    first, second = (parse_plan(q, t) for q, t in PLAN_EXAMPLES)
+    assert first.critical_path_length() == 3 and any(len(n.depends_on) >= 2 for n in first.nodes)
+    assert second.critical_path_length() == 1
+
+
+def test_shared_prefix_is_a_message_level_prefix_of_every_node_prompt():
+    prefix = shared_prefix_messages(QUESTION, PLAN)
+    prompts = all_node_messages(PLAN)
+    for messages in prompts:
+        assert messages[: len(prefix)] == prefix and len(messages) == len(prefix) + 1
+        assert messages[-1]["role"] == "user"
+    assert len({m[-1]["content"] for m in prompts}) == len(PLAN.nodes)  # the tails really differ
+
+
+@pytest.mark.parametrize("which", ["tiny_tokenizer", "bpe_tokenizer"])
+def test_shared_prefix_tokens_are_a_token_prefix_of_every_node_prompt(which, request):
+    tokenizer = request.getfixturevalue(which)
+    prefix = encode_chat(tokenizer, shared_prefix_messages(QUESTION, PLAN), add_generation_prompt=False)
+    assert len(prefix) > 20
+    for messages in all_node_messages(PLAN):
+        ids = encode_chat(tokenizer, messages)
+        assert ids[: len(prefix)] == prefix and len(ids) > len(prefix)
+
+
+def test_a_partial_plan_shares_the_question_and_a_text_prefix_of_the_plan():
+    partial = Plan(question=QUESTION, nodes=PLAN.nodes[:2])
+    early, final = shared_prefix_messages(QUESTION, partial), shared_prefix_messages(QUESTION, PLAN)
+    assert early[:2] == final[:2]
+    assert final[2]["content"].startswith(early[2]["content"]) and final[2] != early[2]
+
+
+def test_node_task_lists_parent_answers_then_names_the_step():
+    node = PLAN.nodes[2]
+    assert node_task(node, {2: " About 10 square metres per litre. ", 1: "About 40 square metres."}, PLAN) == (
+        "Answers to earlier steps:\n"
+        "Step 1 (What is the wall area?): About 40 square metres.\n"
+        "Step 2 (How far does a litre go?): About 10 square metres per litre.\n"
+        "\n"
+        "Now answer step 3 only: How many litres do two coats take?"
+    )
+    assert node_task(PLAN.nodes[0], {}, PLAN) == "Now answer step 1 only: What is the wall area?"
+
+
+@pytest.mark.parametrize("question, text", SOT_EXAMPLES)
+def test_sot_examples_are_flat_short_skeletons(question, text):
+    plan = parse_plan(question, text)
+    assert 3 <= len(plan.nodes) <= 6 and all(n.depends_on == [] for n in plan.nodes)
+    assert all(len(n.text.split()) <= 5 for n in plan.nodes)
+
+
+def test_sot_prompts():
+    messages = sot_skeleton_messages(QUESTION)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert messages[-1]["content"] == QUESTION
+    [point] = sot_point_messages(QUESTION, ["Wall area", "Coverage", "Price"], 2)
+    assert point["role"] == "user"
+    assert f"Question: {QUESTION}\n\nOutline of the answer:\n1. Wall area\n2. Coverage\n3. Price" in point["content"]
+    assert point["content"].endswith("Write only point 2 (Coverage), in one or two sentences.")
+    with pytest.raises(ValueError, match=r"point must be in 1..3, got 4"):
+        sot_point_messages(QUESTION, ["a", "b", "c"], 4)
