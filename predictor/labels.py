@@ -1,0 +1,130 @@
+"""Response-length labels: the serving model answers each prompt at several temperatures and the
+label is the longest answer, capped at max_tokens (the recipe of Zheng et al., 2023).
+
+    python -m predictor.labels --source ../shared/data --n 3000
+
+Resumable: results go to numbered parquet parts under --out as each chunk finishes, and a rerun
+skips prompt ids already labelled. Prompts are sampled with a fixed seed from the training pool
+and the ShareGPT set (never from the evaluation sets) and each row keeps its prompt text, so the
+labels alone are enough to train and evaluate the predictor.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.types import GenerationRequest, SamplingParams
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "labels"
+SOURCES = ("train_pool.jsonl", "sharegpt4k.jsonl")
+VALIDATION_SHARE = 0.15
+
+
+def sample_prompts(source_dir: Path, count: int, seed: int) -> list[dict]:
+    """A seeded random sample of prompts from both sources, each with a fixed train/val split."""
+    rows = []
+    for name in SOURCES:
+        with open(source_dir / name) as f:
+            for line in f:
+                row = json.loads(line)
+                rows.append({
+                    "id": str(row["id"]),
+                    "source": row.get("source", "sharegpt"),
+                    "category": row.get("category") or "chat",
+                    "prompt": row["prompt"],
+                })
+    rng = random.Random(seed)
+    rng.shuffle(rows)
+    chosen = rows[:count]
+    for row in chosen:  # split by a hash of the id, so it never changes when --n grows
+        digest = int(hashlib.sha256(row["id"].encode()).hexdigest()[:8], 16)
+        row["split"] = "val" if digest % 1000 < VALIDATION_SHARE * 1000 else "train"
+    return chosen
+
+
+def done_ids(out: Path) -> set[str]:
+    parts = sorted(out.glob("part-*.parquet"))
+    return {i for p in parts for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()}
+
+
+def _seed(prompt_id: str, temperature: float) -> int:
+    return int(hashlib.sha256(f"{prompt_id}/{temperature}".encode()).hexdigest()[:8], 16)
+
+
+def label_chunk(engine: LLMEngine, rows: list[dict], temperatures: list[float], max_tokens: int,
+                max_prompt_tokens: int) -> list[dict]:
+    """Answer every prompt at every temperature in one continuous batch; one output row a prompt."""
+    requests, prompt_ids = [], {}
+    for row in rows:
+        tokens = engine.encode(row["prompt"])[:max_prompt_tokens]
+        text = engine.tokenizer.decode(tokens)
+        prompt_ids[row["id"]] = engine.encode_chat([{"role": "user", "content": text}])
+        for t in temperatures:
+            params = SamplingParams(max_tokens=max_tokens, temperature=t, seed=_seed(row["id"], t) if t else None)
+            requests.append(GenerationRequest(id=f"{row['id']}@{t}", prompt_ids=prompt_ids[row["id"]], params=params))
+    results = {r.request_id: r for r in engine.generate(requests)}
+    out = []
+    for row in rows:
+        per_t = [results[f"{row['id']}@{t}"] for t in temperatures]
+        lengths = [r.completion_tokens for r in per_t]
+        out.append({
+            **row,
+            "prompt_tokens": len(prompt_ids[row["id"]]),
+            "temperatures": temperatures,
+            "lengths": lengths,
+            "hit_cap": [r.finish_reason.value == "length" for r in per_t],
+            "label": max(lengths),
+            "max_tokens": max_tokens,
+            "greedy_answer": next((r.text for r, t in zip(per_t, temperatures) if t == 0), None),
+        })
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", type=Path, default=Path("../shared/data"), help="folder with the source JSONL files")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the parquet parts")
+    parser.add_argument("--n", type=int, default=3000, help="prompts to label in all")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperatures", default="0,0.3,0.5,0.7", help="comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--max-prompt-tokens", type=int, default=384, help="prompts are cut to this many tokens")
+    parser.add_argument("--chunk", type=int, default=16, help="prompts per written part")
+    parser.add_argument("--batch", type=int, default=32, help="sequences decoded together")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = sample_prompts(args.source, args.n, args.seed)
+    finished = done_ids(args.out)
+    todo = [r for r in rows if r["id"] not in finished]
+    print(f"{len(finished)} labelled already, {len(todo)} to go", flush=True)
+    if not todo:
+        return
+    engine = LLMEngine.from_config(EngineConfig(max_batch_size=args.batch, max_model_len=1024))
+    part = len(list(args.out.glob("part-*.parquet")))
+    started, tokens = time.perf_counter(), 0
+    for i in range(0, len(todo), args.chunk):
+        labelled = label_chunk(engine, todo[i : i + args.chunk], temperatures, args.max_tokens, args.max_prompt_tokens)
+        pq.write_table(pa.Table.from_pylist(labelled), args.out / f"part-{part:05d}.parquet")
+        part += 1
+        tokens += sum(sum(r["lengths"]) for r in labelled)
+        done = i + len(labelled)
+        rate = tokens / (time.perf_counter() - started)
+        eta_h = (len(todo) - done) * (tokens / done) / rate / 3600
+        print(f"{len(finished) + done}/{len(rows)} prompts  {rate:.0f} tok/s  ETA {eta_h:.1f} h", flush=True)
+
+
+if __name__ == "__main__":
+    main()
