@@ -66,10 +66,10 @@ class PrefillItem:
     start: int
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding: x*cos + rotate_half(x)*sin, with rotate_half's sign folded into the sine
+    table so the rotation is a single roll."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LlamaRunner:
@@ -100,7 +100,9 @@ class LlamaRunner:
             positions = torch.arange(max_len, device=self.device)[None]
             probe = torch.zeros(1, device=self.device, dtype=torch.float32)
             cos, sin = inner.rotary_emb(probe, positions)
-        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+        half = self.head_dim // 2
+        self.cos = cos[0].to(self.dtype)
+        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).to(self.dtype)
         # One extra slot is scratch space for building prefix caches.
         shape = (len(self.layers), max_slots + 1, self.num_kv_heads, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
