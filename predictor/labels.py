@@ -3,8 +3,8 @@ label is the longest answer, capped at max_tokens (the recipe of Zheng et al., 2
 
     python -m predictor.labels --source ../shared/data --n 3000
 
-Resumable: results go to numbered parquet parts under --out as each chunk finishes, and a rerun
-skips prompt ids already labelled. Prompts are sampled with a fixed seed from the training pool
+Resumable: finished rows go to numbered parquet parts under --out, --chunk rows a part, and a
+rerun skips prompt ids already labelled (a stop loses at most the rows not yet written). Prompts are sampled with a fixed seed from the training pool
 and the ShareGPT set (never from the evaluation sets) and each row keeps its prompt text, so the
 labels alone are enough to train and evaluate the predictor.
 """
@@ -16,6 +16,8 @@ import json
 import os
 import random
 import time
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,7 +25,7 @@ import pyarrow.parquet as pq
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.types import GenerationRequest, SamplingParams
+from engine.types import FinishReason, GenerationRequest, Result, SamplingParams
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "labels"
 SOURCES = ("train_pool.jsonl", "sharegpt4k.jsonl")
@@ -61,33 +63,48 @@ def _seed(prompt_id: str, temperature: float) -> int:
     return int(hashlib.sha256(f"{prompt_id}/{temperature}".encode()).hexdigest()[:8], 16)
 
 
-def label_chunk(engine: LLMEngine, rows: list[dict], temperatures: list[float], max_tokens: int,
-                max_prompt_tokens: int) -> list[dict]:
-    """Answer every prompt at every temperature in one continuous batch; one output row a prompt."""
-    requests, prompt_ids = [], {}
-    for row in rows:
-        tokens = engine.encode(row["prompt"])[:max_prompt_tokens]
-        text = engine.tokenizer.decode(tokens)
-        prompt_ids[row["id"]] = engine.encode_chat([{"role": "user", "content": text}])
-        for t in temperatures:
-            params = SamplingParams(max_tokens=max_tokens, temperature=t, seed=_seed(row["id"], t) if t else None)
-            requests.append(GenerationRequest(id=f"{row['id']}@{t}", prompt_ids=prompt_ids[row["id"]], params=params))
-    results = {r.request_id: r for r in engine.generate(requests)}
-    out = []
-    for row in rows:
-        per_t = [results[f"{row['id']}@{t}"] for t in temperatures]
-        lengths = [r.completion_tokens for r in per_t]
-        out.append({
-            **row,
-            "prompt_tokens": len(prompt_ids[row["id"]]),
-            "temperatures": temperatures,
-            "lengths": lengths,
-            "hit_cap": [r.finish_reason.value == "length" for r in per_t],
-            "label": max(lengths),
-            "max_tokens": max_tokens,
-            "greedy_answer": next((r.text for r, t in zip(per_t, temperatures) if t == 0), None),
-        })
-    return out
+def _label_row(row: dict, prompt_ids: list[int], results: list[Result], temperatures: list[float],
+               max_tokens: int) -> dict:
+    lengths = [r.completion_tokens for r in results]
+    return {
+        **row,
+        "prompt_tokens": len(prompt_ids),
+        "temperatures": temperatures,
+        "lengths": lengths,
+        "hit_cap": [r.finish_reason is FinishReason.LENGTH for r in results],
+        "label": max(lengths),
+        "max_tokens": max_tokens,
+        "greedy_answer": next((r.text for r, t in zip(results, temperatures) if t == 0), None),
+    }
+
+
+def generate_labels(engine: LLMEngine, rows: list[dict], temperatures: list[float], max_tokens: int,
+                    max_prompt_tokens: int) -> Iterator[dict]:
+    """Yield one labelled row per prompt as soon as all its answers are done. Requests are fed
+    continuously, so the batch stays full instead of draining at the end of each chunk."""
+    pending, waiting = deque(rows), {}
+    queue_target = 2 * engine.runner.max_slots
+    in_flight = 0
+    while pending or engine.has_work():
+        while pending and in_flight < queue_target:
+            row = pending.popleft()
+            text = engine.tokenizer.decode(engine.encode(row["prompt"])[:max_prompt_tokens])
+            prompt_ids = engine.encode_chat([{"role": "user", "content": text}])
+            waiting[row["id"]] = (row, prompt_ids, {})
+            for t in temperatures:
+                params = SamplingParams(max_tokens=max_tokens, temperature=t, seed=_seed(row["id"], t) if t else None)
+                engine.add(GenerationRequest(id=f"{row['id']}@{t}", prompt_ids=prompt_ids, params=params))
+                in_flight += 1
+        for event in engine.step():
+            if event.finish_reason is None:
+                continue
+            in_flight -= 1
+            row_id, t = event.request_id.rsplit("@", 1)
+            row, prompt_ids, done = waiting[row_id]
+            done[float(t)] = engine.pop_result(event.request_id)
+            if len(done) == len(temperatures):
+                del waiting[row_id]
+                yield _label_row(row, prompt_ids, [done[t] for t in temperatures], temperatures, max_tokens)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperatures", default="0,0.3,0.5,0.7", help="comma-separated")
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--max-prompt-tokens", type=int, default=384, help="prompts are cut to this many tokens")
-    parser.add_argument("--chunk", type=int, default=16, help="prompts per written part")
+    parser.add_argument("--chunk", type=int, default=32, help="prompts per written part")
     parser.add_argument("--batch", type=int, default=32, help="sequences decoded together")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -114,16 +131,17 @@ def main(argv: list[str] | None = None) -> None:
         return
     engine = LLMEngine.from_config(EngineConfig(max_batch_size=args.batch, max_model_len=1024))
     part = len(list(args.out.glob("part-*.parquet")))
-    started, tokens = time.perf_counter(), 0
-    for i in range(0, len(todo), args.chunk):
-        labelled = label_chunk(engine, todo[i : i + args.chunk], temperatures, args.max_tokens, args.max_prompt_tokens)
-        pq.write_table(pa.Table.from_pylist(labelled), args.out / f"part-{part:05d}.parquet")
-        part += 1
-        tokens += sum(sum(r["lengths"]) for r in labelled)
-        done = i + len(labelled)
-        rate = tokens / (time.perf_counter() - started)
-        eta_h = (len(todo) - done) * (tokens / done) / rate / 3600
-        print(f"{len(finished) + done}/{len(rows)} prompts  {rate:.0f} tok/s  ETA {eta_h:.1f} h", flush=True)
+    started, tokens, done, buffer = time.perf_counter(), 0, 0, []
+    for row in generate_labels(engine, todo, temperatures, args.max_tokens, args.max_prompt_tokens):
+        buffer.append(row)
+        done += 1
+        tokens += sum(row["lengths"])
+        if len(buffer) == args.chunk or done == len(todo):
+            pq.write_table(pa.Table.from_pylist(buffer), args.out / f"part-{part:05d}.parquet")
+            part, buffer = part + 1, []
+            rate = tokens / (time.perf_counter() - started)
+            eta_h = (len(todo) - done) * (tokens / done) / rate / 3600
+            print(f"{len(finished) + done}/{len(rows)} prompts  {rate:.0f} tok/s  ETA {eta_h:.1f} h", flush=True)
 
 
 if __name__ == "__main__":

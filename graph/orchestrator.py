@@ -1,0 +1,227 @@
+"""Answer one question in a chosen mode over any decode client: `ar` (plain), `sot` (flat outline,
+points expanded independently) or `plato` (plan DAG streamed, nodes decoded as soon as their
+parents are answered, node prompts sharing one prefix KV cache).
+
+Ray-free: the planner actor holds one of these with a client that reaches the decoder replicas;
+tests and benchmarks use `EngineClient` over an in-process `AsyncEngine`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, Field
+
+from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
+from graph.assemble import assemble_answer
+from graph.executor import DagExecution, NodeTiming
+from graph.plan import Plan, PlanNode
+from graph.plan_format import StreamingPlanParser, parse_plan
+from graph.prompts import (
+    node_messages,
+    plan_messages,
+    shared_prefix_messages,
+    sot_point_messages,
+    sot_skeleton_messages,
+)
+
+Mode = Literal["ar", "sot", "plato"]
+PLAN_END = "\n\n"  # the plan format's end marker (graph.plan_format)
+
+
+class DecodeClient(Protocol):
+    """What the orchestrator needs from the decoding side."""
+
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+
+    async def generate(self, request: GenerationRequest) -> Result: ...
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Result]: ...
+
+    async def prefill_prefix(self, token_ids: list[int]) -> None: ...
+
+
+class EngineClient:
+    """A DecodeClient over an in-process AsyncEngine."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def encode_chat(self, messages, add_generation_prompt=True):
+        return await self.engine.call(lambda e: e.encode_chat(messages, add_generation_prompt))
+
+    async def generate(self, request):
+        return await self.engine.generate(request)
+
+    def stream(self, request):
+        return self.engine.stream(request)
+
+    async def prefill_prefix(self, token_ids):
+        await self.engine.call(lambda e: e.prefill_prefix(token_ids))
+
+
+class AnswerConfig(BaseModel):
+    """How one answer is produced; the ablation switches apply to `plato`."""
+
+    max_tokens: int = Field(256, ge=1, description="Answer budget of `ar`, and of each mode's total.")
+    plan_max_tokens: int = Field(160, ge=8, description="Most tokens the plan or skeleton may take.")
+    node_max_tokens: int = Field(96, ge=1, description="Most tokens one plan node or outline point may take.")
+    max_nodes: int = Field(6, ge=2, le=20, description="Plan nodes kept after repair.")
+    pipelining: bool = Field(True, description="Start nodes while the plan is still streaming.")
+    kv_reuse: bool = Field(True, description="Prefill each node prompt's shared prefix once and reuse it.")
+    plan_constraint: str | None = Field(None, description="Engine constraint name that keeps plan lines well formed.")
+    deadline_s: float | None = Field(None, gt=0, description="Unfinished nodes fail after this many seconds.")
+
+
+class Answer(BaseModel):
+    """The answer and how it was made."""
+
+    mode: Mode
+    text: str
+    latency_s: float
+    completion_tokens: int = Field(description="Tokens generated for the answer, plan included.")
+    plan: Plan | None = None
+    plan_s: float | None = Field(None, description="Seconds until the plan was complete.")
+    fallback: str | None = Field(None, description="Why planning fell back to plain decoding.")
+    nodes: list[NodeTiming] = Field(default_factory=list)
+    prefix_hit_tokens: int = 0
+    node_prompt_tokens: int = 0
+
+
+class Orchestrator:
+    """Runs the three modes. All decoding goes through `client`; nothing here blocks."""
+
+    def __init__(self, client: DecodeClient, config: AnswerConfig | None = None):
+        self.client = client
+        self.config = config or AnswerConfig()
+
+    async def answer(self, question: str, mode: Mode) -> Answer:
+        started = time.perf_counter()
+        answer = await {"ar": self._ar, "sot": self._sot, "plato": self._plato}[mode](question)
+        answer.latency_s = time.perf_counter() - started
+        return answer
+
+    async def _ar(self, question: str, fallback: str | None = None, spent: int = 0) -> Answer:
+        ids = await self.client.encode_chat([{"role": "user", "content": question}])
+        result = await self.client.generate(
+            GenerationRequest(prompt_ids=ids, params=SamplingParams(max_tokens=self.config.max_tokens))
+        )
+        return Answer(mode="plato" if fallback else "ar", text=result.text, latency_s=0.0,
+                      completion_tokens=spent + result.completion_tokens, fallback=fallback)
+
+    async def _sot(self, question: str) -> Answer:
+        ids = await self.client.encode_chat(sot_skeleton_messages(question))
+        params = SamplingParams(max_tokens=self.config.plan_max_tokens, stop=[PLAN_END])
+        skeleton = await self.client.generate(GenerationRequest(prompt_ids=ids, params=params))
+        outline = parse_plan(question, skeleton.text, truncated=skeleton.finish_reason is FinishReason.LENGTH)
+        points = [node.text for node in outline.nodes][: self.config.max_nodes]
+        if len(points) < 2:
+            return await self._ar(question, fallback="the outline had fewer than two points", spent=skeleton.completion_tokens)
+        point_params = SamplingParams(max_tokens=self.config.node_max_tokens)
+        prompts = [await self.client.encode_chat(sot_point_messages(question, points, i)) for i in range(1, len(points) + 1)]
+        results = await asyncio.gather(
+            *(self.client.generate(GenerationRequest(prompt_ids=p, params=point_params)) for p in prompts)
+        )
+        plan = Plan(question=question, nodes=[PlanNode(id=i, text=t, depends_on=[]) for i, t in enumerate(points, 1)])
+        answers = {i: r.text for i, r in enumerate(results, 1)}
+        return Answer(
+            mode="sot", text=assemble_answer(plan, answers), latency_s=0.0, plan=plan,
+            completion_tokens=skeleton.completion_tokens + sum(r.completion_tokens for r in results),
+            node_prompt_tokens=sum(map(len, prompts)),
+        )
+
+    async def _plato(self, question: str) -> Answer:
+        run = _PlatoRun(self.client, self.config, question)
+        return await run.execute()
+
+
+class _PlatoRun:
+    """One plato answer: stream the plan, dispatch ready nodes as lines complete, assemble."""
+
+    def __init__(self, client: DecodeClient, config: AnswerConfig, question: str):
+        self.client, self.config, self.question = client, config, question
+        deadline = time.monotonic() + config.deadline_s if config.deadline_s else None
+        self.execution = DagExecution(question, config.max_nodes, deadline=deadline, pipelining=config.pipelining)
+        self.tasks: set[asyncio.Task] = set()
+        self.tokens = 0
+        self.prefix_hit_tokens = 0
+        self.node_prompt_tokens = 0
+
+    async def execute(self) -> Answer:
+        plan_result, plan_s = await self._stream_plan()
+        self.tokens += plan_result.completion_tokens
+        fallback = self.execution.plan_complete()
+        if fallback:
+            await self._drain()
+            orchestrator = Orchestrator(self.client, self.config)
+            return await orchestrator._ar(self.question, fallback=fallback, spent=self.tokens)
+        self._dispatch()
+        await self._drain()
+        execution = self.execution
+        return Answer(
+            mode="plato", latency_s=0.0, plan=execution.plan, plan_s=plan_s, completion_tokens=self.tokens,
+            text=assemble_answer(execution.plan, execution.answers, execution.failures),
+            nodes=execution.timings(), prefix_hit_tokens=self.prefix_hit_tokens,
+            node_prompt_tokens=self.node_prompt_tokens,
+        )
+
+    async def _stream_plan(self) -> tuple[Result, float]:
+        started = time.perf_counter()
+        ids = await self.client.encode_chat(plan_messages(self.question, self.config.max_nodes))
+        constraint = {"constraint": self.config.plan_constraint} if self.config.plan_constraint else {}
+        params = SamplingParams(max_tokens=self.config.plan_max_tokens, stop=[PLAN_END], **constraint)
+        parser, result = StreamingPlanParser(), None
+        async for item in self.client.stream(GenerationRequest(prompt_ids=ids, params=params)):
+            if isinstance(item, Result):
+                result = item
+            else:
+                self._add_nodes(parser.feed(item.text))
+        self._add_nodes(parser.close(truncated=result.finish_reason is FinishReason.LENGTH))
+        return result, time.perf_counter() - started
+
+    def _add_nodes(self, nodes: list[PlanNode]) -> None:
+        for node in nodes:
+            self.execution.add_node(node)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        for node in self.execution.dispatchable():
+            self.tasks.add(asyncio.create_task(self._run_node(node)))
+
+    async def _run_node(self, node: PlanNode) -> None:
+        execution = self.execution
+        try:
+            plan_so_far = execution.plan
+            if self.config.kv_reuse:
+                prefix = await self.client.encode_chat(shared_prefix_messages(self.question, plan_so_far),
+                                                       add_generation_prompt=False)
+                await self.client.prefill_prefix(prefix)
+            messages = node_messages(self.question, plan_so_far, node, execution.parent_answers(node.id))
+            ids = await self.client.encode_chat(messages)
+            params = SamplingParams(max_tokens=self.config.node_max_tokens)
+            result = await self.client.generate(GenerationRequest(prompt_ids=ids, params=params))
+        except Exception as exc:  # one failed node must not sink the others
+            execution.node_failed(node.id, f"decoding failed: {exc}")
+            return
+        self.tokens += result.completion_tokens
+        self.prefix_hit_tokens += result.prefix_hit_tokens
+        self.node_prompt_tokens += len(ids)
+        execution.node_done(node.id, result.text, result.latency_s)
+        self._dispatch()
+
+    async def _drain(self) -> None:
+        """Wait for running nodes; on the deadline, fail what is left and stop waiting."""
+        while self.tasks:
+            timeout = None
+            if self.execution.deadline is not None:
+                timeout = max(0.0, self.execution.deadline - time.monotonic())
+            done, _ = await asyncio.wait(self.tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            self.tasks -= done
+            if not done:
+                self.execution.expire()
+                for task in self.tasks:
+                    task.cancel()
+                self.tasks.clear()
+            self._dispatch()

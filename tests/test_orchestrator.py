@@ -1,0 +1,156 @@
+"""The answer modes over a scripted decode client (exact control of plans, answers and timing),
+and once over the tiny real engine (whatever it writes, the request finishes)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.types import FinishReason, GenerationRequest, Result, TokenEvent
+from graph.orchestrator import AnswerConfig, EngineClient, Orchestrator
+
+DIAMOND = "1. Find A [needs: none]\n2. Use A for B [needs: 1]\n3. Use A for C [needs: 1]\n4. Join B and C [needs: 2, 3]"
+
+
+class ScriptedClient:
+    """Plans come from `plan_text`, streamed a line at a time with `line_delay` between lines;
+    a node's answer is 'answer to <step text>' after `node_delay`. Records everything."""
+
+    def __init__(self, plan_text: str, line_delay: float = 0.02, node_delay: float = 0.01, fail_on: str | None = None):
+        self.plan_text, self.line_delay, self.node_delay, self.fail_on = plan_text, line_delay, node_delay, fail_on
+        self.log: list[str] = []
+        self.prefixes: list[list[int]] = []
+
+    async def encode_chat(self, messages, add_generation_prompt=True):
+        text = "\n".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<gen>" if add_generation_prompt else "")
+        return [ord(c) for c in text]
+
+    @staticmethod
+    def _text(ids) -> str:
+        return "".join(map(chr, ids))
+
+    def _result(self, request, text, reason=FinishReason.STOP, hit=0) -> Result:
+        return Result(request_id=request.id, prompt_tokens=len(request.prompt_ids), token_ids=[1] * len(text.split()),
+                      text=text, finish_reason=reason, ttft_s=0.0, latency_s=self.node_delay, prefix_hit_tokens=hit)
+
+    async def stream(self, request: GenerationRequest):
+        self.log.append("plan:start")
+        for line in self.plan_text.splitlines(keepends=True):
+            await asyncio.sleep(self.line_delay)
+            yield TokenEvent(request_id=request.id, token_ids=[1], text=line)
+        self.log.append("plan:end")
+        yield self._result(request, self.plan_text)
+
+    async def generate(self, request: GenerationRequest) -> Result:
+        prompt = self._text(request.prompt_ids)
+        await asyncio.sleep(self.node_delay)
+        if "Now answer step" in prompt:
+            step = prompt.rsplit("Now answer step ", 1)[1].split("<gen>")[0]
+            self.log.append(f"node:{step.split(' ')[0]}")
+            if self.fail_on and self.fail_on in step:
+                raise RuntimeError("replica died")
+            hit = max((len(p) for p in self.prefixes if request.prompt_ids[: len(p)] == p), default=0)
+            return self._result(request, f"answer to {step.split(': ', 1)[1]}", hit=hit)
+        if "Write only point" in prompt:
+            point = prompt.rsplit("Write only point ", 1)[1].split(" ")[0]
+            self.log.append(f"point:{point}")
+            return self._result(request, f"point {point} text")
+        if "short numbered list" in prompt:
+            self.log.append("skeleton")
+            return self._result(request, "1. Alpha\n2. Beta\n3. Gamma")
+        self.log.append("ar")
+        return self._result(request, "a plain answer")
+
+    async def prefill_prefix(self, token_ids):
+        self.prefixes.append(list(token_ids))
+
+
+def answer(client, mode, **config):
+    return asyncio.run(asyncio.wait_for(Orchestrator(client, AnswerConfig(**config)).answer("Q?", mode), 10))
+
+
+def test_plato_pipelines_nodes_before_the_plan_ends_and_respects_dependencies():
+    client = ScriptedClient(DIAMOND)
+    result = answer(client, "plato")
+    assert result.mode == "plato" and result.fallback is None
+    log = client.log
+    assert log.index("node:1") < log.index("plan:end")  # pipelining: node 1 ran while planning
+    assert log.index("node:4") > max(log.index("node:2"), log.index("node:3"))
+    assert [n.status.value for n in result.nodes] == ["done"] * 4
+    assert result.text.split("\n\n") == [
+        "**Find A.** answer to Find A",
+        "**Use A for B.** answer to Use A for B",
+        "**Use A for C.** answer to Use A for C",
+        "**Join B and C.** answer to Join B and C",
+    ]
+
+
+def test_without_pipelining_no_node_starts_before_the_plan_is_complete():
+    client = ScriptedClient(DIAMOND)
+    answer(client, "plato", pipelining=False)
+    first_node = min(i for i, entry in enumerate(client.log) if entry.startswith("node:"))
+    assert first_node > client.log.index("plan:end")
+
+
+def test_kv_reuse_prefills_each_node_prefix_and_nodes_hit_it():
+    client = ScriptedClient(DIAMOND)
+    result = answer(client, "plato")
+    assert len(client.prefixes) == 4
+    assert result.prefix_hit_tokens > 0
+    assert result.prefix_hit_tokens == sum(len(p) for p in client.prefixes)
+
+
+def test_without_kv_reuse_no_prefix_is_prefilled():
+    client = ScriptedClient(DIAMOND)
+    result = answer(client, "plato", kv_reuse=False)
+    assert client.prefixes == [] and result.prefix_hit_tokens == 0
+
+
+def test_garbage_plan_falls_back_to_plain_decoding_with_the_reason():
+    client = ScriptedClient("I think the answer is simple.\nNo plan here.")
+    result = answer(client, "plato")
+    assert result.fallback and "fallback" in result.fallback
+    assert result.text == "a plain answer" and client.log[-1] == "ar"
+
+
+def test_a_failing_node_marks_itself_and_its_dependants_but_others_finish():
+    client = ScriptedClient(DIAMOND, fail_on="Use A for B")
+    result = answer(client, "plato")
+    status = {n.id: n.status.value for n in result.nodes}
+    assert status == {1: "done", 2: "failed", 3: "done", 4: "failed"}
+    assert "[not answered:" in result.text and "answer to Use A for C" in result.text
+
+
+def test_deadline_returns_what_is_done_instead_of_hanging():
+    client = ScriptedClient(DIAMOND, line_delay=0.0, node_delay=0.3)
+    result = answer(client, "plato", deadline_s=0.45)
+    status = [n.status.value for n in result.nodes]
+    assert "failed" in status and result.latency_s < 2
+
+
+def test_sot_expands_every_point_independently():
+    client = ScriptedClient(DIAMOND)
+    result = answer(client, "sot")
+    assert client.log == ["skeleton", "point:1", "point:2", "point:3"]
+    assert result.plan is not None and all(not n.depends_on for n in result.plan.nodes)
+    assert "point 3 text" in result.text
+
+
+def test_ar_is_one_plain_generation():
+    client = ScriptedClient(DIAMOND)
+    result = answer(client, "ar")
+    assert client.log == ["ar"] and result.text == "a plain answer" and result.plan is None
+
+
+@pytest.mark.parametrize("mode", ["ar", "sot", "plato"])
+def test_every_mode_finishes_on_the_tiny_real_engine(make_engine, mode):
+    engine = AsyncEngine(make_engine(max_batch_size=4, max_model_len=512))
+    client = EngineClient(engine)
+    config = AnswerConfig(max_tokens=12, plan_max_tokens=24, node_max_tokens=8)
+    try:
+        result = asyncio.run(asyncio.wait_for(Orchestrator(client, config).answer("baba babe", mode), 60))
+    finally:
+        engine.shutdown()
+    assert result.completion_tokens > 0 and result.latency_s > 0
+    assert result.mode in ("ar", "sot", "plato")
