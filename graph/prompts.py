@@ -7,7 +7,6 @@ every request, and a 135M model copies a format from examples far better than fr
 from __future__ import annotations
 
 from graph.plan import DEFAULT_MAX_NODES, Plan, PlanNode
-from graph.plan_format import format_plan
 
 PLAN_SYSTEM = (
     "You break a question into a few smaller questions that can be answered one by one and then "
@@ -36,12 +35,10 @@ PLAN_EXAMPLES = [
     ),
 ]
 
-NODE_SYSTEM = (
-    "You answer a question one step at a time. The user asked a question and you wrote a numbered "
-    "plan of steps for it. When the user names a step, answer only that step, in two to four "
-    "plain sentences, using the answers to earlier steps when they are given. Do not repeat the "
-    "question, do not number your answer, and do not answer other steps."
-)
+# Measured on the 135M model: with the plan shown in its own [needs: ...] format and a long rule
+# list, it went on writing plan lines instead of answering; a plain numbered plan and a short
+# request per part gave on-topic answers for every part.
+NODE_SYSTEM = "You are a helpful assistant. You answer a question part by part, following your plan."
 
 SOT_SYSTEM = (
     "You outline answers. For the user's question, write a short numbered list of the main points "
@@ -94,20 +91,25 @@ def shared_prefix_messages(question: str, plan: Plan) -> list[dict]:
     return [
         {"role": "system", "content": NODE_SYSTEM},
         {"role": "user", "content": question},
-        {"role": "assistant", "content": format_plan(plan)},
+        {"role": "assistant", "content": plain_plan(plan)},
     ]
+
+
+def plain_plan(plan: Plan) -> str:
+    """The plan as the node prompts show it: numbered parts, no dependency annotations."""
+    return "Plan:\n" + "\n".join(f"{node.id}. {node.text}" for node in plan.nodes)
 
 
 def node_task(node: PlanNode, parent_answers: dict[int, str], plan: Plan) -> str:
     """The node-specific last message: the parents' answers, then which step to answer."""
     lines = []
     if parent_answers:
-        lines.append("Answers to earlier steps:")
+        lines.append("Earlier parts, already answered:")
         for parent_id in sorted(parent_answers):
             parent = plan.node(parent_id)
-            lines.append(f"Step {parent_id} ({parent.text}): {parent_answers[parent_id].strip()}")
+            lines.append(f"Part {parent_id} ({parent.text}): {parent_answers[parent_id].strip()}")
         lines.append("")
-    lines.append(f"Now answer step {node.id} only: {node.text}")
+    lines.append(f"Answer part {node.id} in two or three sentences: {node.text}")
     return "\n".join(lines)
 
 

@@ -119,13 +119,13 @@ def test_a_partial_plan_shares_the_question_and_a_text_prefix_of_the_plan():
 def test_node_task_lists_parent_answers_then_names_the_step():
     node = PLAN.nodes[2]
     assert node_task(node, {2: " About 10 square metres per litre. ", 1: "About 40 square metres."}, PLAN) == (
-        "Answers to earlier steps:\n"
-        "Step 1 (What is the wall area?): About 40 square metres.\n"
-        "Step 2 (How far does a litre go?): About 10 square metres per litre.\n"
+        "Earlier parts, already answered:\n"
+        "Part 1 (What is the wall area?): About 40 square metres.\n"
+        "Part 2 (How far does a litre go?): About 10 square metres per litre.\n"
         "\n"
-        "Now answer step 3 only: How many litres do two coats take?"
+        "Answer part 3 in two or three sentences: How many litres do two coats take?"
     )
-    assert node_task(PLAN.nodes[0], {}, PLAN) == "Now answer step 1 only: What is the wall area?"
+    assert node_task(PLAN.nodes[0], {}, PLAN) == "Answer part 1 in two or three sentences: What is the wall area?"
 
 
 @pytest.mark.parametrize("question, text", SOT_EXAMPLES)

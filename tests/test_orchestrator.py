@@ -45,13 +45,14 @@ class ScriptedClient:
     async def generate(self, request: GenerationRequest) -> Result:
         prompt = self._text(request.prompt_ids)
         await asyncio.sleep(self.node_delay)
-        if "Now answer step" in prompt:
-            step = prompt.rsplit("Now answer step ", 1)[1].split("<gen>")[0]
-            self.log.append(f"node:{step.split(' ')[0]}")
-            if self.fail_on and self.fail_on in step:
+        if "in two or three sentences: " in prompt:
+            rest = prompt.rsplit("Answer part ", 1)[1].split("<gen>")[0]
+            step, text = rest.split(" in two or three sentences: ", 1)
+            self.log.append(f"node:{step}")
+            if self.fail_on and self.fail_on in text:
                 raise RuntimeError("replica died")
             hit = max((len(p) for p in self.prefixes if request.prompt_ids[: len(p)] == p), default=0)
-            return self._result(request, f"answer to {step.split(': ', 1)[1]}", hit=hit)
+            return self._result(request, f"answer to {text}", hit=hit)
         if "Write only point" in prompt:
             point = prompt.rsplit("Write only point ", 1)[1].split(" ")[0]
             self.log.append(f"point:{point}")
