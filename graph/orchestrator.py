@@ -19,6 +19,7 @@ from graph.assemble import assemble_answer
 from graph.executor import DagExecution, NodeTiming
 from graph.plan import Plan, PlanNode
 from graph.plan_format import StreamingPlanParser, parse_plan
+from graph.router import route
 from graph.prompts import (
     node_messages,
     plan_messages,
@@ -28,6 +29,7 @@ from graph.prompts import (
 )
 
 Mode = Literal["ar", "sot", "plato"]
+RequestMode = Literal["auto", "ar", "sot", "plato"]
 PLAN_END = "\n\n"  # the plan format's end marker (graph.plan_format)
 
 
@@ -78,7 +80,8 @@ class AnswerConfig(BaseModel):
 class Answer(BaseModel):
     """The answer and how it was made."""
 
-    mode: Mode
+    mode: Mode = Field(description="The mode that produced the text (plato falls back to ar text).")
+    routed: str | None = Field(None, description="For `auto`: the router's reason for the mode.")
     text: str
     latency_s: float
     completion_tokens: int = Field(description="Tokens generated for the answer, plan included.")
@@ -97,10 +100,14 @@ class Orchestrator:
         self.client = client
         self.config = config or AnswerConfig()
 
-    async def answer(self, question: str, mode: Mode) -> Answer:
+    async def answer(self, question: str, mode: RequestMode) -> Answer:
         started = time.perf_counter()
+        reason = None
+        if mode == "auto":
+            mode, reason = route(question)
         answer = await {"ar": self._ar, "sot": self._sot, "plato": self._plato}[mode](question)
         answer.latency_s = time.perf_counter() - started
+        answer.routed = reason
         return answer
 
     async def _ar(self, question: str, fallback: str | None = None, spent: int = 0) -> Answer:

@@ -155,3 +155,12 @@ def test_every_mode_finishes_on_the_tiny_real_engine(make_engine, mode):
         engine.shutdown()
     assert result.completion_tokens > 0 and result.latency_s > 0
     assert result.mode in ("ar", "sot", "plato")
+
+
+def test_auto_routes_code_to_plain_decoding_and_advice_to_planning():
+    client = ScriptedClient(DIAMOND)
+    orchestrator = Orchestrator(client, AnswerConfig())
+    code = asyncio.run(orchestrator.answer("Implement a binary search in Python.", "auto"))
+    advice = asyncio.run(orchestrator.answer("How can I sleep better and feel rested?", "auto"))
+    assert (code.mode, code.routed) == ("ar", "code")
+    assert (advice.mode, advice.routed) == ("plato", "several separable parts")
