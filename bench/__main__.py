@@ -8,6 +8,7 @@ import sys
 
 SCENARIOS = {
     "engine": "bench.engine_bench",
+    "plato": "bench.plato_bench",
 }
 
 
