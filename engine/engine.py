@@ -10,6 +10,7 @@ import torch
 
 from engine.base import Engine
 from engine.config import EngineConfig
+from engine.constraints import TokenConstraint, make_constraint
 from engine.detokenize import IncrementalDetokenizer
 from engine.llama import LlamaRunner, PrefillItem
 from engine.prefix_cache import PrefixCache, PrefixEntry, PrefixHandle
@@ -31,6 +32,7 @@ class _Sequence:
     finish: FinishReason | None = None
     new_tokens: list[int] = field(default_factory=list)  # produced in the current step
     sent_chars: int = 0  # text already handed out in events
+    constraint: TokenConstraint | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -80,12 +82,15 @@ class LLMEngine(Engine):
             )
         if len(request.resume_ids) >= request.params.max_tokens:
             raise ValueError("resume_ids: already as long as max_tokens; nothing left to generate")
+        name = request.params.constraint
+        constraint = make_constraint(name, self.tokenizer, request.resume_ids) if name is not None else None
         sequence = _Sequence(
             request=request.model_copy(update={"prompt_ids": list(request.prompt_ids)}),
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             generator=make_generator(request.params),
             added_at=time.perf_counter(),
             generated=list(request.resume_ids),
+            constraint=constraint,
         )
         if request.resume_ids:
             sequence.detokenizer.add(sequence.generated)
@@ -175,7 +180,8 @@ class LLMEngine(Engine):
 
     def _accept(self, batch: list[_Sequence], logits: torch.Tensor) -> None:
         """Append one sampled token to each sequence and decide whether it is done."""
-        chosen = sample(logits, [s.request.params for s in batch], [s.generator for s in batch])
+        masks = [s.constraint.allowed() if s.constraint is not None else None for s in batch]
+        chosen = sample(logits, [s.request.params for s in batch], [s.generator for s in batch], masks)
         now = time.perf_counter()
         for sequence, token in zip(batch, chosen):
             if sequence.finish is not None:
@@ -188,6 +194,8 @@ class LLMEngine(Engine):
             sequence.new_tokens.append(token)
             self._stats["generated_tokens"] += 1
             sequence.detokenizer.add(sequence.generated)
+            if sequence.constraint is not None:
+                sequence.constraint.advance(token)
             sequence.finish = self._check_finish(sequence)
 
     def _check_finish(self, sequence: _Sequence) -> FinishReason | None:
@@ -199,6 +207,8 @@ class LLMEngine(Engine):
             if hits:
                 sequence.detokenizer.text = text[: min(hits)]
                 return FinishReason.STOP
+        if sequence.constraint is not None and sequence.constraint.is_complete:
+            return FinishReason.STOP
         produced = len(sequence.generated)
         if produced >= params.max_tokens or len(sequence.tokens) >= self.max_model_len:
             return FinishReason.LENGTH

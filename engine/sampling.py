@@ -31,12 +31,30 @@ def _sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    masks: list[torch.Tensor | None] | None = None,
 ) -> list[int]:
-    """logits: float32 [batch, vocab] on any device. Greedy rows take the argmax."""
+    """logits: float32 [batch, vocab] on any device. Greedy rows take the argmax. `masks`, where
+    given, holds per row None or a bool mask of the tokens a constraint allows (see
+    `engine.constraints`); disallowed tokens get no probability, greedy or sampled."""
     logits = logits.cpu()
+    if masks is not None and any(m is not None for m in masks):
+        logits = _apply_masks(logits, masks)
     chosen = logits.argmax(dim=-1).tolist()
     for row, (p, g) in enumerate(zip(params, generators)):
         if not p.greedy:
             chosen[row] = _sample_one(logits[row], p, g)
     return chosen
+
+
+def _apply_masks(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
+    logits = logits.clone()  # the caller's logits may be cached (prefix entries)
+    width = logits.shape[-1]
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            n = min(mask.numel(), width)  # a model's vocab may be padded past the tokenizer's
+            logits[row, :n].masked_fill_(~mask[:n], float("-inf"))
+            logits[row, n:] = float("-inf")
+    return logits

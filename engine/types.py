@@ -25,6 +25,11 @@ class SamplingParams(BaseModel):
         "scheduler below max_tokens; hitting it marks the result CUT (unfinished, to be re-queued) "
         "rather than LENGTH.",
     )
+    constraint: str | None = Field(
+        None,
+        description="Name of a decoding constraint (see engine.constraints.CONSTRAINTS), e.g. 'plan_lines': "
+        "only tokens its grammar admits are sampled, and the answer ends (STOP) when the grammar does.",
+    )
 
     @field_validator("stop")
     @classmethod
