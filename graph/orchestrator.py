@@ -73,7 +73,9 @@ class AnswerConfig(BaseModel):
     max_nodes: int = Field(6, ge=2, le=20, description="Plan nodes kept after repair.")
     pipelining: bool = Field(True, description="Start nodes while the plan is still streaming.")
     kv_reuse: bool = Field(True, description="Prefill each node prompt's shared prefix once and reuse it.")
-    plan_constraint: str | None = Field(None, description="Engine constraint name that keeps plan lines well formed.")
+    plan_constraint: str | None = Field(
+        "plan_lines", description="Engine constraint that keeps plan lines well formed; None to plan freely "
+        "(also used when the model's tokenizer cannot express the constraint).")
     deadline_s: float | None = Field(None, gt=0, description="Unfinished nodes fail after this many seconds.")
 
 
@@ -177,14 +179,21 @@ class _PlatoRun:
     async def _stream_plan(self) -> tuple[Result, float]:
         started = time.perf_counter()
         ids = await self.client.encode_chat(plan_messages(self.question, self.config.max_nodes))
-        constraint = {"constraint": self.config.plan_constraint} if self.config.plan_constraint else {}
-        params = SamplingParams(max_tokens=self.config.plan_max_tokens, stop=[PLAN_END], **constraint)
+        params = SamplingParams(max_tokens=self.config.plan_max_tokens, stop=[PLAN_END],
+                                constraint=self.config.plan_constraint)
         parser, result = StreamingPlanParser(), None
-        async for item in self.client.stream(GenerationRequest(prompt_ids=ids, params=params)):
-            if isinstance(item, Result):
-                result = item
-            else:
-                self._add_nodes(parser.feed(item.text))
+        try:
+            stream = self.client.stream(GenerationRequest(prompt_ids=ids, params=params))
+            async for item in stream:
+                if isinstance(item, Result):
+                    result = item
+                else:
+                    self._add_nodes(parser.feed(item.text))
+        except ValueError as exc:
+            if params.constraint is None or not str(exc).startswith("constraint"):
+                raise
+            self.config = self.config.model_copy(update={"plan_constraint": None})  # this tokenizer can't
+            return await self._stream_plan()
         self._add_nodes(parser.close(truncated=result.finish_reason is FinishReason.LENGTH))
         return result, time.perf_counter() - started
 
