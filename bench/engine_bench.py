@@ -67,6 +67,22 @@ def ours_tok_s(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> 
     return sum(r.completion_tokens for r in results) / seconds
 
 
+def dtype_probe(model_dir: str, device, prompts: list[list[int]], new_tokens: int) -> dict:
+    """This engine at batch 16 in float32 and bfloat16, and how often bf16's greedy answers match."""
+    out = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        model, tokenizer = load_hf_model(model_dir, dtype, device)
+        engine = LLMEngine(model, tokenizer, EngineConfig(max_batch_size=len(prompts), max_model_len=1024))
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        ours_tok_s(engine, prompts[:2], 4)
+        results, seconds = timed(lambda: engine.generate([GenerationRequest(prompt_ids=p, params=params) for p in prompts]))
+        out[name] = {"tok_s": round(len(prompts) * new_tokens / seconds, 1), "tokens": [r.token_ids for r in results]}
+    same = sum(a == b for a, b in zip(out["float32"]["tokens"], out["bfloat16"]["tokens"]))
+    return {"batch": len(prompts), "new_tokens": new_tokens,
+            "float32_tok_s": out["float32"]["tok_s"], "bfloat16_tok_s": out["bfloat16"]["tok_s"],
+            "bf16_greedy_matches_fp32": f"{same}/{len(prompts)}"}
+
+
 def prefix_case(engine: LLMEngine, new_tokens: int) -> dict:
     """Four continuations of one 300-token prefix: one by one from scratch vs prefix reused, batched."""
     document = " ".join(row["prompt"] for row in load_jsonl("vicuna80.jsonl"))
@@ -128,6 +144,7 @@ def run(argv: list[str]) -> dict:
         rows.append([batch, f"{ours:.1f}", f"{hf:.1f}", f"{ours / hf:.2f}x"])
 
     prefix = prefix_case(engine, 16 if args.quick else 32)
+    dtypes = None if args.quick else dtype_probe(resolve_model_dir(config.model), device, prompts[:16], 32)
     bandwidth = measure_bandwidth_gbs()
     roofline = bandwidth * 1e9 / weight_bytes_per_token(hf_model)
     result = {
@@ -139,6 +156,7 @@ def run(argv: list[str]) -> dict:
         "batches": per_batch,
         "prefix": prefix,
         "prefix_batch_speedup": prefix["prefix_batch_speedup"],
+        "dtype_probe": dtypes,
         "memory_bandwidth_gbs": round(bandwidth, 1),
         "roofline_batch1_tok_s": round(roofline, 1),
         "roofline_fraction_batch1": round(per_batch["1"]["ours_tok_s"] / roofline, 2),
@@ -152,6 +170,9 @@ def run(argv: list[str]) -> dict:
         f"reused + batched {prefix['prefix_reused_batched_s']} s -> {prefix['prefix_batch_speedup']}x "
         f"(outputs match: {prefix['outputs_match']})"
     )
+    if dtypes:
+        print(f"dtype at batch {dtypes['batch']}: float32 {dtypes['float32_tok_s']} tok/s, bfloat16 "
+              f"{dtypes['bfloat16_tok_s']} tok/s; bf16 greedy answers equal to fp32: {dtypes['bf16_greedy_matches_fp32']}")
     print(
         f"memory bandwidth {result['memory_bandwidth_gbs']} GB/s -> batch-1 roofline {result['roofline_batch1_tok_s']} tok/s; "
         f"ours reaches {result['roofline_fraction_batch1']:.0%} of it\nwrote {path}"

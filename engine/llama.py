@@ -88,7 +88,6 @@ class LlamaRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.eps = cfg.rms_norm_eps
-        self.vocab_size = cfg.vocab_size
         self.max_len = max_len
         self.max_slots = max_slots
         self.fused_decode_attention = self.device.type != "cpu"
@@ -111,9 +110,6 @@ class LlamaRunner:
     @property
     def scratch_slot(self) -> int:
         return self.max_slots
-
-    def kv_bytes_per_token(self) -> int:
-        return 2 * len(self.layers) * self.num_kv_heads * self.head_dim * self.k_cache.element_size()
 
     @staticmethod
     def _fuse(layer) -> _Layer:
