@@ -1,12 +1,14 @@
 """The HTTP surface: OpenAI-compatible routes over any backend with complete/info/health."""
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from deployments.openai_schema import ChatCompletionRequest, RequestError
 
@@ -15,6 +17,8 @@ class ChatBackend(Protocol):
     """Where the routes send work: a ChatService in-process, or a Serve handle to decoder replicas."""
 
     async def complete(self, request: ChatCompletionRequest) -> dict: ...
+
+    def stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]: ...
 
     async def info(self) -> dict: ...
 
@@ -45,7 +49,18 @@ def create_app() -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await request.app.state.backend.complete(body)
+        if not body.stream:
+            return await request.app.state.backend.complete(body)
+        chunks = request.app.state.backend.stream(body)
+        first = await anext(chunks)  # a RequestError surfaces here, before any byte is sent
+
+        async def events():
+            yield f"data: {json.dumps(first)}\n\n"
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -32,6 +32,14 @@ class Decoder:
             return {"error": {"param": exc.param, "message": exc.message, "status": exc.status}}
         return response.model_dump()
 
+    async def stream(self, body: dict):
+        """Chunks of a streamed answer; a refused request yields one error dict instead."""
+        try:
+            async for chunk in self.service.stream(ChatCompletionRequest.model_validate(body)):
+                yield chunk
+        except RequestError as exc:
+            yield {"error": {"param": exc.param, "message": exc.message, "status": exc.status}}
+
     async def info(self) -> dict:
         return await self.service.info()
 
@@ -56,6 +64,12 @@ class HandleBackend:
         if "error" in out:
             raise RequestError(**out["error"])
         return out
+
+    async def stream(self, request: ChatCompletionRequest):
+        async for chunk in self.decoder.options(stream=True).stream.remote(request.model_dump()):
+            if "error" in chunk:
+                raise RequestError(**chunk["error"])
+            yield chunk
 
     async def info(self) -> dict:
         return await self.decoder.info.remote()

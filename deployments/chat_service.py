@@ -5,16 +5,29 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from collections.abc import AsyncIterator
+
 from deployments.openai_schema import (
     AssistantMessage,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     Choice,
+    ChunkChoice,
     RequestError,
     Usage,
 )
 from engine.async_engine import AsyncEngine
-from engine.types import FinishReason, GenerationRequest, SamplingParams
+from engine.types import FinishReason, GenerationRequest, Result, SamplingParams
+
+
+def _finish(result: Result) -> str:
+    return "length" if result.finish_reason in (FinishReason.LENGTH, FinishReason.CUT) else "stop"
+
+
+def _usage(result: Result) -> Usage:
+    total = result.prompt_tokens + result.completion_tokens
+    return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens, total_tokens=total)
 
 
 class ApiLimits(BaseModel):
@@ -62,19 +75,27 @@ class ChatService:
         return GenerationRequest(prompt_ids=prompt_ids, params=params)
 
     async def complete(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
-        if request.stream:
-            raise RequestError("stream", "streaming responses are not supported yet; send stream=false")
         result = await self.engine.generate(await self.to_engine_request(request))
-        finish = "length" if result.finish_reason in (FinishReason.LENGTH, FinishReason.CUT) else "stop"
         return ChatCompletionResponse(
             model=self.model_name,
-            choices=[Choice(message=AssistantMessage(content=result.text), finish_reason=finish)],
-            usage=Usage(
-                prompt_tokens=result.prompt_tokens,
-                completion_tokens=result.completion_tokens,
-                total_tokens=result.prompt_tokens + result.completion_tokens,
-            ),
+            choices=[Choice(message=AssistantMessage(content=result.text), finish_reason=_finish(result))],
+            usage=_usage(result),
         )
+
+    async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
+        """OpenAI `chat.completion.chunk` dicts: the role, content deltas as tokens arrive, the
+        finish reason, then usage when `stream_options.include_usage` asks. Validation happens
+        before the first chunk, so a bad request fails before anything is sent."""
+        engine_request = await self.to_engine_request(request)
+        chunk = ChatCompletionChunk(model=self.model_name, choices=[ChunkChoice(delta={"role": "assistant"})])
+        yield chunk.model_dump()
+        async for item in self.engine.stream(engine_request):
+            if isinstance(item, Result):
+                yield chunk.model_copy(update={"choices": [ChunkChoice(delta={}, finish_reason=_finish(item))]}).model_dump()
+                if request.stream_options and request.stream_options.include_usage:
+                    yield chunk.model_copy(update={"choices": [], "usage": _usage(item)}).model_dump()
+            elif item.text:
+                yield chunk.model_copy(update={"choices": [ChunkChoice(delta={"content": item.text})]}).model_dump()
 
     async def info(self) -> dict:
         return {"id": self.model_name, "max_model_len": self.max_model_len}

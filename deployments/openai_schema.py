@@ -28,6 +28,10 @@ class ChatMessage(BaseModel):
         return text
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="Send a last chunk with the usage.")
+
+
 class ChatCompletionRequest(BaseModel):
     """The subset of OpenAI's chat request this server honours; unknown fields are ignored, like
     OpenAI's own optional knobs (presence_penalty, user, ...) that do not change greedy decoding."""
@@ -43,7 +47,8 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = Field(None, validate_default=True, description="Up to 4 strings that end the answer.")
     n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
-    stream: bool = False
+    stream: bool = Field(False, description="Answer as server-sent events of chat.completion.chunk objects.")
+    stream_options: StreamOptions | None = None
 
     @field_validator("stop")
     @classmethod
@@ -82,6 +87,21 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[Choice]
     usage: Usage
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
 
 
 class RequestError(ValueError):

@@ -1,6 +1,7 @@
 """The HTTP API in-process (FastAPI test client) over the tiny engine, and the app configuration."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,8 @@ def test_greedy_answer_is_deterministic_and_text_parts_are_accepted(client):
         ({"top_p": 0}, "top_p"),
         ({"n": 2}, "n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"stream": True}, "stream"),
+        ({"stream": True, "temperature": 9}, "temperature"),
+        ({"stream": True, "max_tokens": 65}, "max_tokens"),
     ],
 )
 def test_bad_input_is_400_naming_the_field(client, body, param):
@@ -81,6 +83,25 @@ def test_bad_input_is_400_naming_the_field(client, body, param):
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert error["message"].startswith(param)
+
+
+def _events(response) -> list:
+    lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_streaming_sends_role_deltas_finish_and_usage_matching_the_plain_answer(client):
+    plain = _chat(client, max_tokens=6).json()
+    response = _chat(client, max_tokens=6, stream=True, stream_options={"include_usage": True})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    chunks = _events(response)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == plain["choices"][0]["message"]["content"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
 
 
 def test_malformed_json_is_400_and_service_keeps_working(client):

@@ -102,3 +102,22 @@ def test_openai_client_works(server):
         max_tokens=16,
     )
     assert "Paris" in completion.choices[0].message.content
+
+
+def test_openai_client_streams(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model="embedded:smollm2-135m",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16,
+        stream=True,
+    )
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert len([p for p in pieces if p]) > 1 and "Paris" in "".join(pieces)
+
+
+def test_streaming_bad_input_is_400_before_any_event(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000, "stream": True}
+    response = server.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
