@@ -3,9 +3,9 @@
 Ray-free: the Serve decoder deployment holds one of these; tests use it directly."""
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
-
 from collections.abc import AsyncIterator
+
+from pydantic import BaseModel, Field
 
 from deployments.openai_schema import (
     AssistantMessage,
