@@ -29,7 +29,7 @@ class Decoder:
         try:
             response = await self.service.complete(ChatCompletionRequest.model_validate(body))
         except RequestError as exc:  # returned, not raised: Ray would wrap the exception type
-            return {"error": {"param": exc.param, "message": exc.message, "status": exc.status}}
+            return exc.to_data()
         return response.model_dump()
 
     async def stream(self, body: dict):
@@ -38,7 +38,7 @@ class Decoder:
             async for chunk in self.service.stream(ChatCompletionRequest.model_validate(body)):
                 yield chunk
         except RequestError as exc:
-            yield {"error": {"param": exc.param, "message": exc.message, "status": exc.status}}
+            yield exc.to_data()
 
     async def info(self) -> dict:
         return await self.service.info()

@@ -80,11 +80,16 @@ class Choice(BaseModel):
     finish_reason: Literal["stop", "length"]
 
 
-class ChatCompletionResponse(BaseModel):
+class _Completion(BaseModel):
+    """Fields every completion object and chunk carries."""
+
     id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
-    object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class ChatCompletionResponse(_Completion):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[Choice]
     usage: Usage
 
@@ -95,11 +100,8 @@ class ChunkChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+class ChatCompletionChunk(_Completion):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
 
@@ -110,6 +112,10 @@ class RequestError(ValueError):
     def __init__(self, param: str, message: str, status: int = 400):
         super().__init__(f"{param}: {message}")
         self.param, self.message, self.status = param, message, status
+
+    def to_data(self) -> dict:
+        """A plain dict that crosses Ray intact; `RequestError(**data["error"])` rebuilds it."""
+        return {"error": {"param": self.param, "message": self.message, "status": self.status}}
 
     def to_body(self) -> dict:
         return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param}}

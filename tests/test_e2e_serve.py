@@ -93,26 +93,23 @@ def test_replica_survives_bad_input(server):
     assert _ask(server, "What is the capital of France?", max_tokens=8).status_code == 200
 
 
-def test_openai_client_works(server):
+def _ask_openai(server, **extra):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
-    completion = client.chat.completions.create(
+    return client.chat.completions.create(
         model="embedded:smollm2-135m",
         messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=16,
+        **extra,
     )
-    assert "Paris" in completion.choices[0].message.content
+
+
+def test_openai_client_works(server):
+    assert "Paris" in _ask_openai(server).choices[0].message.content
 
 
 def test_openai_client_streams(server):
-    openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
-    stream = client.chat.completions.create(
-        model="embedded:smollm2-135m",
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=16,
-        stream=True,
-    )
+    stream = _ask_openai(server, stream=True)
     pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
     assert len([p for p in pieces if p]) > 1 and "Paris" in "".join(pieces)
 
