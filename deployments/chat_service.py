@@ -35,6 +35,11 @@ class ApiLimits(BaseModel):
 
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when the request gives none.")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
+    stop_on_loop: bool = Field(
+        True,
+        description="End an answer once it repeats itself verbatim (engine.loops); the length predictor's "
+        "labels are made with the same setting.",
+    )
 
 
 class ChatService:
@@ -71,6 +76,7 @@ class ChatService:
             top_p=request.top_p,
             seed=request.seed,
             stop=request.stop,
+            stop_on_loop=self.limits.stop_on_loop,
         )
         return GenerationRequest(prompt_ids=prompt_ids, params=params)
 

@@ -12,6 +12,7 @@ from engine.base import Engine
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint, make_constraint
 from engine.detokenize import IncrementalDetokenizer
+from engine.loops import LoopDetector
 from engine.llama import LlamaRunner, PrefillItem
 from engine.prefix_cache import PrefixCache, PrefixEntry, PrefixHandle
 from engine.sampling import make_generator, sample
@@ -33,6 +34,7 @@ class _Sequence:
     new_tokens: list[int] = field(default_factory=list)  # produced in the current step
     sent_chars: int = 0  # text already handed out in events
     constraint: TokenConstraint | None = None
+    loops: LoopDetector | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -91,7 +93,11 @@ class LLMEngine(Engine):
             added_at=time.perf_counter(),
             generated=list(request.resume_ids),
             constraint=constraint,
+            loops=LoopDetector() if request.params.stop_on_loop else None,
         )
+        if sequence.loops is not None:  # a resumed answer stops exactly where an uninterrupted one would
+            for token in request.resume_ids:
+                sequence.loops.add(token)
         if request.resume_ids:
             sequence.detokenizer.add(sequence.generated)
             sequence.sent_chars = len(sequence.detokenizer.text)
@@ -197,6 +203,8 @@ class LLMEngine(Engine):
             if sequence.constraint is not None:
                 sequence.constraint.advance(token)
             sequence.finish = self._check_finish(sequence)
+            if sequence.finish is None and sequence.loops is not None and sequence.loops.add(token):
+                sequence.finish = FinishReason.STOP
 
     def _check_finish(self, sequence: _Sequence) -> FinishReason | None:
         params = sequence.request.params

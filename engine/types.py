@@ -25,6 +25,11 @@ class SamplingParams(BaseModel):
         "scheduler below max_tokens; hitting it marks the result CUT (unfinished, to be re-queued) "
         "rather than LENGTH.",
     )
+    stop_on_loop: bool = Field(
+        False,
+        description="End the answer (STOP) once it repeats one block of tokens three times in a row "
+        "(see engine.loops): small models otherwise loop until max_tokens.",
+    )
     constraint: str | None = Field(
         None,
         description="Name of a decoding constraint (see engine.constraints.CONSTRAINTS), e.g. 'plan_lines': "

@@ -77,6 +77,7 @@ class AnswerConfig(BaseModel):
         "plan_lines", description="Engine constraint that keeps plan lines well formed; None to plan freely "
         "(also used when the model's tokenizer cannot express the constraint).")
     deadline_s: float | None = Field(None, gt=0, description="Unfinished nodes fail after this many seconds.")
+    stop_on_loop: bool = Field(True, description="End an answer or node once it repeats itself verbatim.")
 
 
 class Answer(BaseModel):
@@ -115,7 +116,8 @@ class Orchestrator:
     async def _ar(self, question: str, fallback: str | None = None, spent: int = 0) -> Answer:
         ids = await self.client.encode_chat([{"role": "user", "content": question}])
         result = await self.client.generate(
-            GenerationRequest(prompt_ids=ids, params=SamplingParams(max_tokens=self.config.max_tokens))
+            GenerationRequest(prompt_ids=ids, params=SamplingParams(max_tokens=self.config.max_tokens,
+                                                                  stop_on_loop=self.config.stop_on_loop))
         )
         return Answer(mode="plato" if fallback else "ar", text=result.text, latency_s=0.0,
                       completion_tokens=spent + result.completion_tokens, fallback=fallback)
@@ -128,7 +130,7 @@ class Orchestrator:
         points = [node.text for node in outline.nodes][: self.config.max_nodes]
         if len(points) < 2:
             return await self._ar(question, fallback="the outline had fewer than two points", spent=skeleton.completion_tokens)
-        point_params = SamplingParams(max_tokens=self.config.node_max_tokens)
+        point_params = SamplingParams(max_tokens=self.config.node_max_tokens, stop_on_loop=self.config.stop_on_loop)
         prompts = [await self.client.encode_chat(sot_point_messages(question, points, i)) for i in range(1, len(points) + 1)]
         results = await asyncio.gather(
             *(self.client.generate(GenerationRequest(prompt_ids=p, params=point_params)) for p in prompts)
@@ -216,7 +218,7 @@ class _PlatoRun:
                 await self.client.prefill_prefix(prefix)
             messages = node_messages(self.question, plan_so_far, node, execution.parent_answers(node.id))
             ids = await self.client.encode_chat(messages)
-            params = SamplingParams(max_tokens=self.config.node_max_tokens)
+            params = SamplingParams(max_tokens=self.config.node_max_tokens, stop_on_loop=self.config.stop_on_loop)
             result = await self.client.generate(GenerationRequest(prompt_ids=ids, params=params))
         except Exception as exc:  # one failed node must not sink the others
             execution.node_failed(node.id, f"decoding failed: {exc}")
