@@ -1,0 +1,285 @@
+"""The length-binned batcher without a model: bins, picking and packing policy, caps, cut-and-resume,
+failure handling and counters; then one run on the tiny engine where cut answers resume to the
+same tokens as uninterrupted ones."""
+from __future__ import annotations
+
+import random
+
+import pydantic
+import pytest
+
+from engine.types import FinishReason, GenerationRequest, Result, SamplingParams
+from predictor.batcher import Batcher, BatcherConfig, drain
+from predictor.bins import LengthBins
+
+EDGES = [32, 64, 128, 256, 512, 1024]
+
+
+def req(rid: str, predicted=None, prompt_len: int = 8, max_tokens: int = 2000, priority: int = 0):
+    return GenerationRequest(
+        id=rid,
+        prompt_ids=[7] * prompt_len,
+        params=SamplingParams(max_tokens=max_tokens),
+        predicted_len=predicted,
+        priority=priority,
+    )
+
+
+def garbage(rid: str, predicted) -> GenerationRequest:
+    """A request whose predicted_len skipped validation, as a buggy predictor could hand over."""
+    return req(rid).model_copy(update={"predicted_len": predicted})
+
+
+def fake_decode(requests: list[GenerationRequest], lengths: dict[str, int]) -> list[Result]:
+    """Decode like the engine would if request `id` wanted `lengths[id]` tokens, token i being i:
+    LENGTH at max_tokens, else CUT on reaching length_cap, else STOP. Checks that a resumed
+    request carries exactly the tokens already generated."""
+    results = []
+    for r in requests:
+        assert r.resume_ids == list(range(len(r.resume_ids)))
+        want, params = lengths[r.id], r.params
+        limit = min(params.max_tokens, params.length_cap or params.max_tokens)
+        if want < limit:
+            results.append(result(r.id, want))
+        else:
+            reason = FinishReason.LENGTH if limit == params.max_tokens else FinishReason.CUT
+            results.append(result(r.id, limit, reason))
+    return results
+
+
+def result(rid: str, n: int, reason=FinishReason.STOP) -> Result:
+    return Result(request_id=rid, prompt_tokens=8, token_ids=list(range(n)), text="", finish_reason=reason,
+                  ttft_s=0.0, latency_s=0.0)
+
+
+def batcher(**overrides) -> Batcher:
+    return Batcher(BatcherConfig(bins=LengthBins(edges=EDGES), **overrides))
+
+
+def ids_of(batch) -> list[str]:
+    return [r.id for r in batch.requests]
+
+
+# ---- bins and config ----------------------------------------------------------------------------
+def test_bins_map_lengths_to_the_first_edge_at_or_above():
+    bins = LengthBins(edges=EDGES)
+    assert [bins.bin_of(n) for n in (0, 1, 32, 33, 64, 65, 1024, 1025, 10**9)] == [0, 0, 0, 1, 1, 2, 5, 5, 5]
+    assert [bins.cap(b) for b in range(6)] == EDGES
+    assert [bins.next_bin(b) for b in range(6)] == [1, 2, 3, 4, 5, 5]
+    assert len(bins) == 6 and bins.last == 5 and LengthBins().edges == EDGES
+    with pytest.raises(ValueError, match="^bin:"):
+        bins.cap(6)
+
+
+@pytest.mark.parametrize("edges", [[], [0, 8], [-4, 8], [8, 8], [16, 8], [8, 16, 12]])
+def test_bins_reject_bad_edges_naming_the_field(edges):
+    with pytest.raises(pydantic.ValidationError, match="edges"):
+        LengthBins(edges=edges)
+
+
+def test_config_rejects_a_default_bin_that_does_not_exist():
+    with pytest.raises(pydantic.ValidationError, match="default_bin"):
+        BatcherConfig(bins=LengthBins(edges=[8, 16]), default_bin=2)
+    with pytest.raises(pydantic.ValidationError, match="token_budget"):
+        BatcherConfig(token_budget=0)
+    assert all(f.description for f in BatcherConfig.model_fields.values())
+
+
+# ---- picking and packing ------------------------------------------------------------------------
+def test_requests_are_grouped_by_bin_and_the_fullest_bin_goes_first():
+    b = batcher(token_budget=2000)
+    for i in range(6):
+        b.submit(req(f"s{i}", predicted=20), now=i)  # bin 0
+        if i < 2:
+            b.submit(req(f"l{i}", predicted=300), now=i)  # bin 4: longer answers, but fewer
+    first = b.next_batch(now=10)
+    assert first.bin == 4 and ids_of(first) == ["l0", "l1"]  # more tokens queued: fuller
+    second = b.next_batch(now=10)
+    assert second.bin == 0 and ids_of(second) == [f"s{i}" for i in range(6)]
+    assert b.next_batch(now=10) is None and b.pending() == 0 and b.in_flight() == 8
+
+
+def test_variable_batch_size_packs_by_tokens():
+    b = batcher(token_budget=1100, max_batch_size=100)
+    for i in range(40):
+        b.submit(req(f"s{i}", predicted=30), now=0)  # costs 8 + 32 = 40
+        b.submit(req(f"l{i}", predicted=500), now=0)  # costs 8 + 512 = 520
+    sizes = {}
+    while (batch := b.next_batch(now=0)) is not None:
+        sizes.setdefault(batch.bin, []).append(len(batch.requests))
+        assert batch.tokens <= 1100
+    assert sizes[0] == [27, 13] and sizes[4] == [2] * 20
+    assert b.stats()["batch_sizes"] == {2: 20, 13: 1, 27: 1}
+
+
+def test_fixed_batch_size_packs_by_count():
+    b = batcher(token_budget=1100, max_batch_size=4, variable_batch_size=False)
+    for i in range(6):
+        b.submit(req(f"s{i}", predicted=30), now=0)
+        b.submit(req(f"l{i}", predicted=500), now=0)
+    sizes = [(batch.bin, len(batch.requests)) for batch in iter(lambda: b.next_batch(now=0), None)]
+    assert sizes == [(0, 4), (4, 4), (0, 2), (4, 2)]  # fill ties at one: the older bin first
+
+
+def test_length_cap_is_the_bin_edge_or_max_tokens():
+    b = batcher(token_budget=10**6)
+    b.submit(req("a", predicted=50), now=0)
+    b.submit(req("b", predicted=60, max_tokens=40), now=0)
+    batch = b.next_batch(now=0)
+    assert [r.params.length_cap for r in batch.requests] == [64, 40]
+    assert batch.tokens == (8 + 64) + (8 + 40)
+    off = batcher(token_budget=10**6, failure_recompute=False)
+    off.submit(req("a", predicted=50, max_tokens=300), now=0)
+    batch = off.next_batch(now=0)
+    assert batch.requests[0].params.length_cap is None and batch.tokens == 8 + 300
+
+
+def test_a_request_over_the_budget_still_goes_alone():
+    b = batcher(token_budget=100)
+    b.submit(req("huge", predicted=20, prompt_len=5000), now=0)
+    b.submit(req("small", predicted=20), now=1)
+    assert ids_of(b.next_batch(now=2)) == ["huge"]
+    assert ids_of(b.next_batch(now=2)) == ["small"]
+    b.submit(req("next", predicted=20), now=3)
+    assert ids_of(b.next_batch(now=3, token_budget=10)) == ["next"]  # an override below any cost
+
+
+@pytest.mark.parametrize("aging_s, first", [(60, "short0"), (30, "old-long")])
+def test_aging_serves_an_old_long_request_before_newer_short_ones(aging_s, first):
+    b = batcher(aging_s=aging_s)
+    b.submit(req("old-long", predicted=900), now=0)
+    for i in range(20):
+        b.submit(req(f"short{i}", predicted=10), now=40)
+    assert ids_of(b.next_batch(now=41))[0] == first  # the short bin is fuller; 41 s is aged only at 30
+
+
+def test_priority_goes_first_across_and_within_bins():
+    b = batcher(token_budget=10**6, max_batch_size=2)
+    for i in range(10):
+        b.submit(req(f"s{i}", predicted=10), now=0)
+    b.submit(req("late", predicted=100), now=1)
+    b.submit(req("critical", predicted=100, priority=5), now=2)
+    assert ids_of(b.next_batch(now=3)) == ["critical", "late"]
+    b.submit(req("urgent", predicted=10, priority=1), now=4)
+    assert ids_of(b.next_batch(now=5)) == ["urgent", "s0"]
+
+
+def test_garbage_predictions_use_the_default_bin_and_are_counted():
+    b = batcher(default_bin=2)
+    b.submit(req("none"), now=0)
+    for rid, value in [("neg", -5), ("nan", float("nan")), ("str", "12"), ("float", 3.5), ("bool", True)]:
+        b.submit(garbage(rid, value), now=0)
+    b.submit(req("absurd", predicted=10**9, max_tokens=200), now=0)
+    assert b.stats()["queued_per_bin"] == [0, 0, 6, 1, 0, 0]  # absurd: clamped to max_tokens, bin 3
+    assert b.stats()["default_bin_uses"] == 6 and b.stats()["clamped_predictions"] == 1
+    assert batcher().default_bin == 5
+
+
+def test_duplicate_ids_are_rejected_while_live():
+    b = batcher()
+    b.submit(req("x", predicted=10), now=0)
+    with pytest.raises(ValueError, match="^id: request 'x'"):
+        b.submit(req("x", predicted=10), now=0)
+    batch = b.next_batch(now=0)
+    with pytest.raises(ValueError, match="^id:"):
+        b.submit(req("x", predicted=10), now=0)
+    assert [r.request_id for r in b.report(batch.id, [result("x", 3)])] == ["x"]
+    b.submit(req("x", predicted=10), now=1)  # answered: the id is free again
+    assert b.pending() == 1
+
+
+# ---- results back -------------------------------------------------------------------------------
+def serve_all(b: Batcher, lengths: dict[str, int], now: float = 0.0) -> dict[str, Result]:
+    final = {}
+    while (batch := b.next_batch(now)) is not None:
+        for r in b.report(batch.id, fake_decode(batch.requests, lengths)):
+            assert r.request_id not in final
+            final[r.request_id] = r
+    return final
+
+
+def test_cut_answers_resume_one_bin_up_and_finish_with_all_tokens():
+    b = batcher(token_budget=10**6)
+    lengths = {"under": 20, "over": 100, "last": 1500, "max": 5000}
+    for rid, want in lengths.items():
+        b.submit(req(rid, predicted=20), now=0)
+    first = b.next_batch(now=0)
+    cut = b.report(first.id, fake_decode(first.requests, lengths))
+    assert [r.request_id for r in cut] == ["under"]
+    assert b.stats()["queued_per_bin"] == [0, 3, 0, 0, 0, 0]
+    again = b.next_batch(now=0)
+    assert {r.id: r.resume_ids for r in again.requests} == {rid: list(range(32)) for rid in ("over", "last", "max")}
+    assert {r.params.length_cap for r in again.requests} == {64} and {r.predicted_len for r in again.requests} == {64}
+    b.report(again.id, fake_decode(again.requests, lengths))
+    final = serve_all(b, lengths)
+    assert {rid: (r.finish_reason, r.token_ids) for rid, r in final.items()} == {
+        "over": (FinishReason.STOP, list(range(100))),
+        "last": (FinishReason.STOP, list(range(1500))),  # cut at 1024, then uncapped to the end
+        "max": (FinishReason.LENGTH, list(range(2000))),
+    }
+    stats = b.stats()
+    # over: cut at 32, 64; last and max: at 32, 64, 128, 256, 512, 1024
+    assert stats["requeues"] == 2 + 6 + 6
+    assert stats["requeued_tokens"] == 32 + 64 + 2 * (32 + 64 + 128 + 256 + 512 + 1024)
+    assert stats["recompute_tokens"] == stats["requeued_tokens"] + 8 * stats["requeues"]
+    assert stats["finished"] == 4 and b.pending() == b.in_flight() == 0
+
+
+def test_foreign_duplicate_and_late_results_are_ignored():
+    b = batcher()
+    b.submit(req("a", predicted=10), now=0)
+    b.submit(req("b", predicted=10), now=0)
+    batch = b.next_batch(now=0)
+    results = [result("a", 3), result("stranger", 3), result("a", 5), result("b", 4)]
+    assert [(r.request_id, len(r.token_ids)) for r in b.report(batch.id, results)] == [("a", 3), ("b", 4)]
+    assert b.report(batch.id, [result("a", 3)]) == []  # the batch was already reported
+    assert b.report("nope", [result("b", 3)]) == []
+    assert b.stats()["ignored_results"] == 4 and b.stats()["finished"] == 2
+    assert b.pending() == b.in_flight() == 0
+
+
+def test_requests_missing_from_a_report_are_requeued_as_they_were():
+    b = batcher()
+    for rid in ("a", "b", "c"):
+        b.submit(req(rid, predicted=10), now=0)
+    batch = b.next_batch(now=0)
+    b.submit(req("d", predicted=10), now=1)
+    assert b.report(batch.id, [result("b", 2)])[0].request_id == "b"
+    again = b.next_batch(now=2)
+    assert ids_of(again) == ["a", "c", "d"]
+    assert again.requests[0] == batch.requests[0] and again.requests[1] == batch.requests[2]
+    assert b.stats()["missing_results"] == 2
+
+
+def test_fail_requeues_the_batch_in_front_with_nothing_lost_or_duplicated():
+    b = batcher(max_batch_size=2)
+    for rid in ("a", "b", "c"):
+        b.submit(req(rid, predicted=10), now=0)
+    failed = b.next_batch(now=0)
+    assert b.in_flight() == 2 and b.fail(failed.id) == 2
+    assert b.fail(failed.id) == 0 and b.report(failed.id, [result("a", 1)]) == []
+    assert b.in_flight() == 0 and b.pending() == 3
+    b.submit(req("d", predicted=10), now=1)
+    retried = b.next_batch(now=1)
+    assert retried.requests == failed.requests and retried.id != failed.id  # back in front of c and d
+    lengths = {"a": 1, "b": 2, "c": 3, "d": 4}
+    final = b.report(retried.id, fake_decode(retried.requests, lengths)) + list(serve_all(b, lengths).values())
+    assert sorted(r.request_id for r in final) == ["a", "b", "c", "d"]
+    assert b.stats()["failed_batches"] == 1 and b.pending() == b.in_flight() == 0
+
+
+# ---- on the tiny engine -------------------------------------------------------------------------
+def test_cut_and_resumed_answers_equal_uninterrupted_ones(make_engine, decode_alone):
+    rng = random.Random(5)
+    prompts = {f"r{i}": [rng.randrange(6, 256) for _ in range(5 + 3 * i)] for i in range(4)}
+    b = Batcher(BatcherConfig(bins=LengthBins(edges=[4, 8, 16]), token_budget=60))
+    for rid, prompt in prompts.items():
+        request = GenerationRequest(id=rid, prompt_ids=prompt, params=SamplingParams(max_tokens=20), predicted_len=1)
+        b.submit(request, now=0)
+    final = drain(b, make_engine(max_batch_size=4), clock=lambda: 0.0)
+    assert sorted(r.request_id for r in final) == sorted(prompts)
+    for r in final:
+        reference = decode_alone(prompts[r.request_id], max_tokens=20)
+        assert r.finish_reason == FinishReason.LENGTH
+        assert r.token_ids == reference.token_ids and r.text == reference.text
+    assert b.stats()["requeues"] == 4 * 3  # cut at 4, 8 and 16, then run to max_tokens
