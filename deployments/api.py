@@ -1,4 +1,4 @@
-"""The HTTP surface: OpenAI-compatible routes over any backend with complete/info/health."""
+"""The HTTP surface: OpenAI-compatible routes over any backend with complete/stream/info/health."""
 from __future__ import annotations
 
 import json
@@ -10,15 +10,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deployments.openai_schema import ChatCompletionRequest, RequestError
+from deployments.admission import Admission
+from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest, RequestError
 
 
-class ChatBackend(Protocol):
-    """Where the routes send work: a ChatService in-process, or a Serve handle to decoder replicas."""
+class CompletionBackend(Protocol):
+    """Where the routes send work: a CompletionService in-process, or a Serve handle to decoder replicas.
+    `complete` returns the response (a pydantic model or its dict); `stream` yields chunk dicts."""
 
-    async def complete(self, request: ChatCompletionRequest) -> dict: ...
+    async def complete(self, request: OpenAIRequest): ...
 
-    def stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]: ...
+    def stream(self, request: OpenAIRequest) -> AsyncIterator[dict]: ...
 
     async def info(self) -> dict: ...
 
@@ -30,18 +32,33 @@ def _field_path(loc: tuple) -> str:
     return ".".join(parts) or "body"
 
 
-def create_app() -> FastAPI:
-    """A FastAPI app whose routes use `app.state.backend` (set by whoever hosts the app)."""
+async def _answer(backend: CompletionBackend, body: OpenAIRequest):
+    if not body.stream:
+        return await backend.complete(body)
+    chunks = backend.stream(body)
+    first = await anext(chunks)  # a RequestError surfaces here, before any byte is sent
+
+    async def events():
+        yield f"data: {json.dumps(first)}\n\n"
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight: int) -> FastAPI:
+    """The FastAPI app over `backend`. With `api_key`, every /v1 route wants `Authorization: Bearer
+    <api_key>`; past `max_in_flight` requests at once, new ones get 503 (see deployments.admission)."""
     app = FastAPI(title="plato-serve", description="OpenAI-compatible LLM serving on Ray Serve")
+    app.state.backend = backend
+    app.add_middleware(Admission, api_key=api_key, max_in_flight=max_in_flight)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        param = _field_path(first["loc"])
-        message = f"{param}: {first['msg']}" + (f" ({len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else "")
-        return JSONResponse(
-            status_code=400, content={"error": {"message": message, "type": "invalid_request_error", "param": param}}
-        )
+        first, more = exc.errors()[0], len(exc.errors()) - 1
+        error = RequestError(_field_path(first["loc"]), first["msg"] + (f" ({more} more)" if more else ""))
+        return JSONResponse(status_code=400, content=error.to_body())
 
     @app.exception_handler(RequestError)
     async def _refused(_: Request, exc: RequestError):
@@ -49,18 +66,11 @@ def create_app() -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        if not body.stream:
-            return await request.app.state.backend.complete(body)
-        chunks = request.app.state.backend.stream(body)
-        first = await anext(chunks)  # a RequestError surfaces here, before any byte is sent
+        return await _answer(request.app.state.backend, body)
 
-        async def events():
-            yield f"data: {json.dumps(first)}\n\n"
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _answer(request.app.state.backend, body)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -1,24 +1,33 @@
-"""Turn OpenAI chat requests into engine requests and engine results into OpenAI responses.
+"""Turn OpenAI chat and text completion requests into engine requests, and engine results into
+OpenAI responses.
 
 Ray-free: the Serve decoder deployment holds one of these; tests use it directly."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.openai_schema import (
     AssistantMessage,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     Choice,
     ChunkChoice,
+    CompletionRequest,
+    OpenAIRequest,
     RequestError,
+    TextChoice,
+    TextCompletion,
     Usage,
 )
 from engine.async_engine import AsyncEngine
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams
+from graph.orchestrator import Mode
+
+# Every requested chat mode is answered by plain decoding until the planner is wired in; the
+# response's `mode` says so.
+ANSWER_MODE: Mode = "ar"
 
 
 def _finish(result: Result) -> str:
@@ -31,10 +40,24 @@ def _usage(result: Result) -> Usage:
 
 
 class ApiLimits(BaseModel):
-    """What a single API request may ask for."""
+    """What a single API request may ask for, and how many requests an ingress replica holds."""
+
+    model_config = ConfigDict(extra="forbid")
 
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when the request gives none.")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens a request may ask for.")
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt a request may send, in tokens (chat template included); "
+        "default: as long as the model's context leaves room for one answer token.",
+    )
+    max_queued_requests: int = Field(
+        256,
+        ge=1,
+        description="Most requests one ingress replica holds at once, decoding or waiting for a decoder; "
+        "past it a request is refused at once with HTTP 503 and Retry-After. Counted per ingress replica.",
+    )
     stop_on_loop: bool = Field(
         True,
         description="End an answer once it repeats itself verbatim (engine.loops); the length predictor's "
@@ -42,8 +65,9 @@ class ApiLimits(BaseModel):
     )
 
 
-class ChatService:
-    """Validates a chat request against the model and the limits, decodes it, and shapes the answer."""
+class CompletionService:
+    """Serves chat and text completions from one engine: checks a request against the served model
+    and the limits, decodes it, and shapes the answer the way its endpoint expects."""
 
     def __init__(self, engine: AsyncEngine, limits: ApiLimits):
         self.engine = engine
@@ -51,15 +75,31 @@ class ChatService:
         self.model_name = engine.engine.model_name
         self.max_model_len = engine.engine.max_model_len
 
-    async def to_engine_request(self, request: ChatCompletionRequest) -> GenerationRequest:
+    async def _encode(self, request: OpenAIRequest) -> tuple[list[int], str]:
+        """The prompt's token ids and the field that holds the prompt. Tokenized on the engine
+        thread: the tokenizer is not shared across threads."""
+        if isinstance(request, CompletionRequest):
+            text = request.prompt
+            return await self.engine.call(lambda engine: engine.encode(text)), "prompt"
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        # on the engine thread: the tokenizer is not shared across threads
-        prompt_ids = await self.engine.call(lambda engine: engine.encode_chat(messages))
+        return await self.engine.call(lambda engine: engine.encode_chat(messages)), "messages"
+
+    async def to_engine_request(self, request: OpenAIRequest) -> GenerationRequest:
+        if request.model is not None and request.model != self.model_name:
+            raise RequestError(
+                "model",
+                f"the model `{request.model}` does not exist; this server serves `{self.model_name}`",
+                status=404,
+                code="model_not_found",
+            )
+        prompt_ids, param = await self._encode(request)
+        limit = self.limits.max_prompt_tokens
+        if limit is not None and len(prompt_ids) > limit:
+            raise RequestError(param, f"the prompt has {len(prompt_ids)} tokens; this server accepts at most {limit}")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise RequestError(
-                "messages",
-                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len}",
+                param, f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len}"
             )
         asked = request.requested_max_tokens
         if asked is not None and asked > self.limits.max_tokens_limit:
@@ -80,28 +120,33 @@ class ChatService:
         )
         return GenerationRequest(prompt_ids=prompt_ids, params=params)
 
-    async def complete(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
+    async def complete(self, request: OpenAIRequest) -> ChatCompletionResponse | TextCompletion:
         result = await self.engine.generate(await self.to_engine_request(request))
-        return ChatCompletionResponse(
-            model=self.model_name,
-            choices=[Choice(message=AssistantMessage(content=result.text), finish_reason=_finish(result))],
-            usage=_usage(result),
-        )
+        finish, usage = _finish(result), _usage(result)
+        if isinstance(request, CompletionRequest):
+            choice = TextChoice(text=result.text, finish_reason=finish)
+            return TextCompletion(model=self.model_name, choices=[choice], usage=usage)
+        choice = Choice(message=AssistantMessage(content=result.text), finish_reason=finish)
+        return ChatCompletionResponse(model=self.model_name, choices=[choice], usage=usage, mode=ANSWER_MODE)
 
-    async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
-        """OpenAI `chat.completion.chunk` dicts: the role, content deltas as tokens arrive, the
-        finish reason, then usage when `stream_options.include_usage` asks. Validation happens
-        before the first chunk, so a bad request fails before anything is sent."""
+    async def stream(self, request: OpenAIRequest) -> AsyncIterator[dict]:
+        """OpenAI chunk dicts (`chat.completion.chunk`, or `text_completion` for a raw prompt): for
+        chat the role first, then text pieces as tokens arrive, the finish reason, then usage when
+        `stream_options.include_usage` asks. The request is checked before the first chunk, so a bad
+        one fails before anything is sent."""
         engine_request = await self.to_engine_request(request)
-        chunk = ChatCompletionChunk(model=self.model_name, choices=[ChunkChoice(delta={"role": "assistant"})])
-        yield chunk.model_dump()
+        if isinstance(request, CompletionRequest):
+            chunk = TextCompletion(model=self.model_name, choices=[])
+        else:
+            chunk = ChatCompletionChunk(model=self.model_name, choices=[], mode=ANSWER_MODE)
+            yield chunk.model_copy(update={"choices": [ChunkChoice(delta={"role": "assistant"})]}).model_dump()
         async for item in self.engine.stream(engine_request):
             if isinstance(item, Result):
-                yield chunk.model_copy(update={"choices": [ChunkChoice(delta={}, finish_reason=_finish(item))]}).model_dump()
-                if request.stream_options and request.stream_options.include_usage:
+                yield chunk.piece("", _finish(item))
+                if request.include_usage:
                     yield chunk.model_copy(update={"choices": [], "usage": _usage(item)}).model_dump()
             elif item.text:
-                yield chunk.model_copy(update={"choices": [ChunkChoice(delta={"content": item.text})]}).model_dump()
+                yield chunk.piece(item.text)
 
     async def info(self) -> dict:
         return {"id": self.model_name, "max_model_len": self.max_model_len}

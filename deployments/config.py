@@ -1,9 +1,11 @@
 """The application's typed configuration, set from the `args` of a Serve config YAML."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import os
 
-from deployments.chat_service import ApiLimits
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from deployments.completion_service import ApiLimits
 from engine.config import EngineConfig
 
 
@@ -15,6 +17,37 @@ class AppConfig(BaseModel):
 
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Model and engine settings.")
     limits: ApiLimits = Field(default_factory=ApiLimits, description="Per-request limits of the API.")
+    api_key: str | None = Field(
+        None,
+        min_length=1,
+        description="Key every /v1 request must send as `Authorization: Bearer <key>`; none: the API is open. "
+        "Serve shows `args` in its dashboard, so prefer api_key_env.",
+    )
+    api_key_env: str | None = Field(
+        None,
+        min_length=1,
+        description="Name of an environment variable holding the key, read by each ingress replica when it "
+        "starts (it refuses to start when the variable is unset or empty). Instead of api_key.",
+    )
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _one_key_source(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("api_key") is not None:
+            raise ValueError("set api_key or api_key_env, not both")
+        return value
+
+    def resolve_api_key(self) -> str | None:
+        """The key the ingress checks; reads api_key_env from this process's environment."""
+        if self.api_key_env is None:
+            return self.api_key
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ConfigError(
+                f"api_key_env: the environment variable {self.api_key_env} is not set on this node; set it "
+                "wherever Ray runs (e.g. from a Kubernetes Secret) or remove api_key_env for an open API"
+            )
+        return key
 
 
 class ConfigError(ValueError):

@@ -1,4 +1,5 @@
-"""OpenAI-compatible request and response shapes for /v1/chat/completions and /v1/models."""
+"""OpenAI-compatible request and response shapes for /v1/chat/completions, /v1/completions and
+/v1/models, and the error every refusal becomes."""
 from __future__ import annotations
 
 import time
@@ -7,10 +8,20 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from graph.orchestrator import Mode, RequestMode
+
+FinishReason = Literal["stop", "length"]
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
+
+
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise ValueError("the text is empty")
+    return text
 
 
 class ChatMessage(BaseModel):
@@ -21,33 +32,28 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _not_blank(cls, value):
-        text = value if isinstance(value, str) else "".join(p.text for p in value)
-        if not text.strip():
-            raise ValueError("content is empty")
-        return text
+    def _joined(cls, value):
+        return _not_blank(value if isinstance(value, str) else "".join(p.text for p in value))
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="Send a last chunk with the usage.")
 
 
-class ChatCompletionRequest(BaseModel):
-    """The subset of OpenAI's chat request this server honours; unknown fields are ignored, like
+class _RequestFields(BaseModel):
+    """The sampling and streaming fields both endpoints take. Unknown fields are ignored, like
     OpenAI's own optional knobs (presence_penalty, user, ...) that do not change greedy decoding."""
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = Field(None, description="Served model name; any value is accepted for the one model.")
-    messages: list[ChatMessage] = Field(min_length=1, description="The conversation, oldest first.")
+    model: str | None = Field(None, description="The served model's name (GET /v1/models); any other name is a 404.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = Field(None, validate_default=True, description="Up to 4 strings that end the answer.")
     n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
-    stream: bool = Field(False, description="Answer as server-sent events of chat.completion.chunk objects.")
+    stream: bool = Field(False, description="Answer as server-sent events, tokens as they are decoded.")
     stream_options: StreamOptions | None = None
 
     @field_validator("stop")
@@ -60,7 +66,67 @@ class ChatCompletionRequest(BaseModel):
 
     @property
     def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_RequestFields):
+    """The subset of OpenAI's chat request this server honours, plus how to answer (`mode`)."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation, oldest first.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
+    mode: RequestMode = Field(
+        "ar",
+        description="How to answer: 'ar' plain decoding, 'sot' Skeleton-of-Thought, 'plato' a plan DAG, "
+        "'auto' routed per question. The response's `mode` says which mode produced the answer.",
+    )
+    return_plan: bool = Field(False, description="Return the plan with a planned answer (no effect yet).")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_RequestFields):
+    """OpenAI's legacy text completion: one raw prompt, decoded without a chat template."""
+
+    prompt: str = Field(description="The text to continue: a string, or a list holding one string.")
+    echo: bool = Field(False, description="Only false: the answer never repeats the prompt.")
+    logprobs: int | None = Field(None, description="Not supported; must be absent or null.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise ValueError(f"one prompt per request is supported, got {len(value)}")
+            return value[0]
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_blank(cls, value: str) -> str:
+        return _not_blank(value)
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported; leave it false")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("logprobs are not supported; leave the field out")
+        return value
+
+
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
 
 
 class Usage(BaseModel):
@@ -77,7 +143,7 @@ class AssistantMessage(BaseModel):
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
 
 
 class _Completion(BaseModel):
@@ -92,30 +158,57 @@ class ChatCompletionResponse(_Completion):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[Choice]
     usage: Usage
+    mode: Mode = Field(description="The answer mode that produced this answer.")
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: dict
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(_Completion):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    mode: Mode = Field(description="The answer mode that produced this answer.")
+
+    def piece(self, text: str, finish_reason: FinishReason | None = None) -> dict:
+        delta = {"content": text} if text else {}
+        return self.model_copy(update={"choices": [ChunkChoice(delta=delta, finish_reason=finish_reason)]}).model_dump()
+
+
+class TextChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class TextCompletion(_Completion):
+    """A `text_completion` object: the whole answer, or one streamed chunk of it."""
+
+    id: str = Field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[TextChoice]
+    usage: Usage | None = None
+
+    def piece(self, text: str, finish_reason: FinishReason | None = None) -> dict:
+        return self.model_copy(update={"choices": [TextChoice(text=text, finish_reason=finish_reason)]}).model_dump()
 
 
 class RequestError(ValueError):
-    """A request the server understood but cannot serve; becomes HTTP 400 naming `param`."""
+    """A request the server understood but will not serve: HTTP `status` with an OpenAI error
+    body naming `param` (None when no single field is to blame) and, where OpenAI has one, a `code`."""
 
-    def __init__(self, param: str, message: str, status: int = 400):
-        super().__init__(f"{param}: {message}")
-        self.param, self.message, self.status = param, message, status
+    def __init__(self, param: str | None, message: str, status: int = 400, code: str | None = None):
+        super().__init__(f"{param}: {message}" if param else message)
+        self.param, self.message, self.status, self.code = param, message, status, code
 
     def to_data(self) -> dict:
         """A plain dict that crosses Ray intact; `RequestError(**data["error"])` rebuilds it."""
-        return {"error": {"param": self.param, "message": self.message, "status": self.status}}
+        return {"error": {"param": self.param, "message": self.message, "status": self.status, "code": self.code}}
 
     def to_body(self) -> dict:
-        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param}}
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}

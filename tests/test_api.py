@@ -1,30 +1,58 @@
-"""The HTTP API in-process (FastAPI test client) over the tiny engine, and the app configuration."""
+"""The HTTP API in-process (FastAPI test client) over the tiny engine: chat completions, the
+request checks, the answer mode, the API key and the in-flight limit."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from pathlib import Path
 
+import httpx
 import pytest
-import yaml
 from fastapi.testclient import TestClient
 
 from deployments.api import create_app
-from deployments.chat_service import ApiLimits, ChatService
-from deployments.config import ConfigError, load_app_config
+from deployments.completion_service import ApiLimits, CompletionService
 from engine.async_engine import AsyncEngine
 
-REPO = Path(__file__).resolve().parent.parent
 WORDS = "baba babe babi"
+SERVED = "embedded:smollm2-135m"  # EngineConfig's default model, the tiny engine's name
 
 
 @pytest.fixture
-def client(make_engine):
-    engine = AsyncEngine(make_engine(max_batch_size=4, max_model_len=128))
-    app = create_app()
-    app.state.backend = ChatService(engine, ApiLimits(default_max_tokens=8, max_tokens_limit=64))
-    with TestClient(app) as test_client:
-        yield test_client
-    engine.shutdown()
+def make_client(make_engine):
+    """`make_client(api_key=None, max_in_flight=8, **limits)`: a test client over a fresh tiny
+    engine (context 128), with default_max_tokens 8 and max_tokens_limit 64 unless `limits` say."""
+    with contextlib.ExitStack() as stack:
+
+        def build(api_key: str | None = None, max_in_flight: int = 8, **limits) -> TestClient:
+            engine = AsyncEngine(make_engine(max_batch_size=4, max_model_len=128))
+            stack.callback(engine.shutdown)
+            service = CompletionService(engine, ApiLimits(**{"default_max_tokens": 8, "max_tokens_limit": 64, **limits}))
+            return stack.enter_context(TestClient(create_app(service, api_key=api_key, max_in_flight=max_in_flight)))
+
+        yield build
+
+
+@pytest.fixture
+def client(make_client):
+    return make_client()
+
+
+def events(response) -> list:
+    """The JSON payloads of a server-sent-events response, checking it ends with [DONE]."""
+    lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def assert_refused(response, status: int, param: str | None, code: str | None = None) -> dict:
+    """An OpenAI-style error: the status, the field to blame, the message starting with it."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == code
+    assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    assert param is None or error["message"].startswith(param)
+    return error
 
 
 def _chat(client, **body):
@@ -73,29 +101,43 @@ def test_greedy_answer_is_deterministic_and_text_parts_are_accepted(client):
         ({"top_p": 0}, "top_p"),
         ({"n": 2}, "n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"mode": "fast"}, "mode"),
         ({"stream": True, "temperature": 9}, "temperature"),
         ({"stream": True, "max_tokens": 65}, "max_tokens"),
     ],
 )
 def test_bad_input_is_400_naming_the_field(client, body, param):
-    response = _chat(client, **body)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param and error["type"] == "invalid_request_error"
-    assert error["message"].startswith(param)
+    assert_refused(_chat(client, **body), 400, param)
 
 
-def _events(response) -> list:
-    lines = [line for line in response.text.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(line[6:]) for line in lines[:-1]]
+@pytest.mark.parametrize("stream", [False, True])
+def test_another_model_name_is_404_model_not_found(client, stream):
+    error = assert_refused(_chat(client, model="/etc/passwd", stream=stream), 404, "model", "model_not_found")
+    assert "/etc/passwd" in error["message"] and SERVED in error["message"]
+    assert _chat(client, model=SERVED, max_tokens=2).status_code == 200
+
+
+def test_prompt_longer_than_max_prompt_tokens_is_400(make_client):
+    client = make_client(max_prompt_tokens=20)
+    error = assert_refused(_chat(client, messages=[{"role": "user", "content": " ".join(["baba"] * 30)}]), 400, "messages")
+    assert "at most 20" in error["message"]
+    assert _chat(client, max_tokens=2).status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["auto", "ar", "sot", "plato"])
+def test_every_mode_is_accepted_and_the_answer_names_the_mode_that_made_it(client, mode):
+    plain = _chat(client, max_tokens=4).json()
+    body = _chat(client, max_tokens=4, mode=mode, return_plan=True).json()
+    assert body["mode"] == "ar" and body["choices"] == plain["choices"]
+    chunks = events(_chat(client, max_tokens=4, mode=mode, stream=True))
+    assert {chunk["mode"] for chunk in chunks} == {"ar"}
 
 
 def test_streaming_sends_role_deltas_finish_and_usage_matching_the_plain_answer(client):
     plain = _chat(client, max_tokens=6).json()
     response = _chat(client, max_tokens=6, stream=True, stream_options={"include_usage": True})
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-    chunks = _events(response)
+    chunks = events(response)
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
@@ -112,7 +154,7 @@ def test_malformed_json_is_400_and_service_keeps_working(client):
 
 def test_models_and_health(client):
     models = client.get("/v1/models").json()
-    assert models["data"][0]["max_model_len"] == 128
+    assert models["data"][0]["id"] == SERVED and models["data"][0]["max_model_len"] == 128
     assert client.get("/healthz").json()["healthy"] is True
 
 
@@ -123,21 +165,75 @@ def test_health_is_503_when_engine_loop_is_dead(client):
     assert client.get("/healthz").status_code == 503
 
 
-def test_app_config_errors_name_the_field():
-    with pytest.raises(ConfigError, match=r"engine\.max_batch_size"):
-        load_app_config({"engine": {"max_batch_size": 0}})
-    with pytest.raises(ConfigError, match=r"engine\.nonsense"):
-        load_app_config({"engine": {"nonsense": 1}})
-    with pytest.raises(ConfigError, match=r"limits\.default_max_tokens"):
-        load_app_config({"limits": {"default_max_tokens": "many"}})
+def test_with_an_api_key_every_v1_route_wants_it_and_health_stays_open(make_client):
+    client = make_client(api_key="s3cret")
+    chat = {"messages": [{"role": "user", "content": WORDS}], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+        assert_refused(client.get("/v1/models", headers=headers), 401, None, "invalid_api_key")
+        assert_refused(client.post("/v1/chat/completions", json=chat, headers=headers), 401, None, "invalid_api_key")
+    good = {"Authorization": "Bearer s3cret"}
+    assert client.get("/v1/models", headers=good).status_code == 200
+    assert client.post("/v1/chat/completions", json=chat, headers=good).status_code == 200
+    assert client.get("/healthz").status_code == 200
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "cluster").glob("*.yaml")), ids=lambda p: p.name)
-def test_cluster_configs_match_serve_schema_and_app_config(path):
-    from ray.serve.schema import ServeDeploySchema
+class _HeldBackend:
+    """A backend whose answers wait until `release` is set, to hold requests in flight."""
 
-    document = yaml.safe_load(path.read_text())
-    schema = ServeDeploySchema.parse_obj(document)
-    for app in schema.applications:
-        assert app.import_path == "deployments.app:build_app"
-        load_app_config(app.args)
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.holding = 0
+
+    async def _hold(self):
+        self.holding += 1
+        await self.release.wait()
+        self.holding -= 1
+
+    async def complete(self, request):
+        await self._hold()
+        return {"object": "chat.completion", "choices": []}
+
+    async def stream(self, request):
+        yield {"object": "chat.completion.chunk", "choices": []}
+        await self._hold()
+        yield {"object": "chat.completion.chunk", "choices": [], "usage": None}
+
+    async def info(self):
+        return {"id": SERVED, "max_model_len": 128}
+
+    async def health(self):
+        return {"healthy": True}
+
+
+async def _until(condition) -> None:
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(poll(), 5)
+
+
+def test_past_max_in_flight_requests_get_503_with_retry_after_at_once():
+    backend = _HeldBackend()
+    chat = {"messages": [{"role": "user", "content": WORDS}]}
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=create_app(backend, api_key=None, max_in_flight=2))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            held = [asyncio.create_task(http.post("/v1/chat/completions", json=chat)),
+                    asyncio.create_task(http.post("/v1/chat/completions", json={**chat, "stream": True}))]
+            await _until(lambda: backend.holding == 2)  # one answer and one open stream
+            refused = await http.post("/v1/completions", json={"prompt": WORDS})
+            health = await http.get("/healthz")
+            backend.release.set()
+            answered = await asyncio.gather(*held)
+            invalid = [await http.post("/v1/chat/completions", json={}) for _ in range(3)]
+            after = await http.post("/v1/chat/completions", json=chat)
+        return refused, health, answered, invalid, after
+
+    refused, health, answered, invalid, after = asyncio.run(scenario())
+    assert_refused(refused, 503, None, "server_overloaded")
+    assert refused.headers["retry-after"] == "1"
+    assert health.status_code == 200
+    assert [r.status_code for r in answered] == [200, 200] and answered[1].text.endswith("data: [DONE]\n\n")
+    assert [r.status_code for r in invalid] == [400] * 3 and after.status_code == 200  # nothing leaked

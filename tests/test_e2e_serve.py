@@ -37,7 +37,7 @@ def server():
 
 
 def _ask(client, content: str, **extra):
-    body = {"model": "any", "messages": [{"role": "user", "content": content}], **extra}
+    body = {"model": "embedded:smollm2-135m", "messages": [{"role": "user", "content": content}], **extra}
     return client.post("/v1/chat/completions", json=body)
 
 
