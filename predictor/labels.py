@@ -67,6 +67,15 @@ def done_ids(out: Path) -> set[str]:
     return {i for p in parts for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()}
 
 
+def read_labels(folder: Path) -> list[dict]:
+    """All labelled rows of a label folder, in a fixed order (by id)."""
+    parts = sorted(Path(folder).glob("part-*.parquet"))
+    if not parts:
+        raise FileNotFoundError(f"no label parts (part-*.parquet) in {folder}")
+    rows = [row for p in parts for row in pq.read_table(p).to_pylist()]
+    return sorted(rows, key=lambda r: r["id"])
+
+
 def _seed(prompt_id: str, temperature: float) -> int:
     return int(hashlib.sha256(f"{prompt_id}/{temperature}".encode()).hexdigest()[:8], 16)
 
