@@ -9,6 +9,9 @@ import sys
 SCENARIOS = {
     "engine": "bench.engine_bench",
     "plato": "bench.plato_bench",
+    "judge": "bench.judge",
+    "schedule": "bench.schedule_bench",
+    "serve": "bench.serve_bench",
 }
 
 
