@@ -9,7 +9,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from predictor.model import LengthRegressor, PredictorSettings, pad_batch, with_saved_adapter
-from predictor.prompt import prediction_ids
+from predictor.prompt import PredictionInput, chat_prompt_ids
 
 DEFAULT_ADAPTER = Path(__file__).resolve().parent / "adapters" / "smollm2-135m"
 
@@ -36,16 +36,23 @@ class LengthPredictor:
         self.model = with_saved_adapter(LengthRegressor(hf_model.model, self.settings.max_tokens), str(path)).eval()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.seconds = 0.0  # time spent predicting, for the cost figure
+        self.input = PredictionInput(tokenizer)
 
     @property
     def max_tokens(self) -> int:
         return self.settings.max_tokens
 
     def predict(self, prompts: list[str]) -> list[int]:
-        return self.predict_ids([prediction_ids(self.tokenizer, p) for p in prompts])
+        """Lengths of the answers to single user messages given as text."""
+        return self.predict_prompt_ids([chat_prompt_ids(self.tokenizer, p) for p in prompts])
+
+    def predict_prompt_ids(self, prompts: list[list[int]]) -> list[int]:
+        """Lengths of the answers to prompts given as the decoder's prompt ids."""
+        return self.predict_ids([self.input(p) for p in prompts])
 
     @torch.no_grad()
     def predict_ids(self, sequences: list[list[int]]) -> list[int]:
+        """Lengths from ready predictor input ids (see predictor.prompt)."""
         started = time.perf_counter()
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
         lengths = [0] * len(sequences)

@@ -1,19 +1,35 @@
-"""What the length predictor reads: the user's prompt, cut as the labels cut it, followed by an
-instruction asking for the length of the answer to come. The chat template is the serving
-model's own, so the prediction conditions on exactly what the decoder will see, plus the question."""
+"""What the length predictor reads: the exact prompt the decoder will see (chat template applied,
+ending where the answer starts), followed by a fixed question about the answer's length, as if the
+assistant began its turn by asking it. Because it only appends to the decoder's prompt ids, any
+request can be scored from its ids alone: a chat turn, a raw completion or a plan node."""
 from __future__ import annotations
 
-INSTRUCTION = (
-    "\n\n(Before you reply: think about how long your reply to the message above will be, "
-    "counted in tokens.)"
-)
-MAX_PROMPT_TOKENS = 384  # the labels cut prompts to this; so does prediction
+SUFFIX = "(Before I reply: my reply to this will be about this many tokens long:"
+MAX_PROMPT_TOKENS = 384  # the labels cut user prompts to this; prediction keeps as much of the prompt
+TAIL_TOKENS = 16  # a prompt cut for prediction keeps its end: the template's turn markers live there
 
 
-def prediction_ids(tokenizer, prompt: str, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> list[int]:
-    """Token ids of the chat-templated prompt + instruction, ending where the answer would start."""
+def chat_prompt_ids(tokenizer, prompt: str, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> list[int]:
+    """The decoder's prompt ids for one user message, cut as the labels cut it."""
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][:max_prompt_tokens]
-    text = tokenizer.decode(ids) + INSTRUCTION
-    return list(tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-    ))
+    out = tokenizer.apply_chat_template([{"role": "user", "content": tokenizer.decode(ids)}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(out["input_ids"] if isinstance(out, dict) else out)
+
+
+class PredictionInput:
+    """Turns decoder prompt ids into predictor input ids."""
+
+    def __init__(self, tokenizer, max_tokens: int = MAX_PROMPT_TOKENS + 64):
+        self.suffix = tokenizer(SUFFIX, add_special_tokens=False)["input_ids"]
+        self.max_tokens = max_tokens
+
+    def __call__(self, prompt_ids: list[int]) -> list[int]:
+        if len(prompt_ids) > self.max_tokens:
+            prompt_ids = prompt_ids[: self.max_tokens - TAIL_TOKENS] + prompt_ids[-TAIL_TOKENS:]
+        return list(prompt_ids) + self.suffix
+
+
+def prediction_ids(tokenizer, prompt: str) -> list[int]:
+    """Predictor input for a user prompt given as text (training and evaluation)."""
+    return PredictionInput(tokenizer)(chat_prompt_ids(tokenizer, prompt))

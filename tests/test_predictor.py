@@ -60,7 +60,8 @@ def test_adapter_is_only_on_the_top_layers_and_off_means_the_plain_model(tiny_mo
     assert not torch.allclose(adapted, reference, atol=1e-3)
 
 
-def test_training_steps_fit_a_length_rule_and_the_saved_adapter_predicts_the_same(tiny_model, regressor, tmp_path):
+def test_training_steps_fit_a_length_rule_and_the_saved_adapter_predicts_the_same(tiny_model, tiny_tokenizer,
+                                                                                   regressor, tmp_path):
     settings = PredictorSettings(max_tokens=200, lora_layers=1, rank=4)
     model = with_new_adapter(regressor, settings)
     seqs = sequences(32, seed=3)
@@ -86,16 +87,17 @@ def test_training_steps_fit_a_length_rule_and_the_saved_adapter_predicts_the_sam
     model.save_pretrained(tmp_path)
     (tmp_path / "settings.json").write_text(settings.model_dump_json())
 
-    class Tok:  # prediction_ids is exercised in the e2e flow; here ids go in directly
-        pad_token_id = 0
-
-    predictor = LengthPredictor(copy.deepcopy(tiny_model), Tok(), PredictorConfig(adapter=str(tmp_path), batch_size=5))
+    predictor = LengthPredictor(copy.deepcopy(tiny_model), tiny_tokenizer,
+                                PredictorConfig(adapter=str(tmp_path), batch_size=5))
     got = predictor.predict_ids(seqs)
     with torch.no_grad():
         ids, mask = pad_batch(seqs, pad_id=0)
         expected = model(ids, mask)
     assert got == [max(1, min(200, int(torch.ceil(v)))) for v in expected]
     assert predictor.seconds > 0
+    # from decoder prompt ids: the fixed length question is appended, nothing else changes
+    suffix = predictor.input.suffix
+    assert suffix and predictor.predict_prompt_ids([seqs[0]]) == predictor.predict_ids([seqs[0] + suffix])
 
 
 def test_predictor_without_an_adapter_names_it(tiny_model, tmp_path):
