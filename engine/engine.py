@@ -84,6 +84,8 @@ class LLMEngine(Engine):
             )
         if len(request.resume_ids) >= request.params.max_tokens:
             raise ValueError("resume_ids: already as long as max_tokens; nothing left to generate")
+        if request.shared_prefix_len:
+            self.prefill_prefix(request.prompt_ids[: request.shared_prefix_len])
         name = request.params.constraint
         constraint = make_constraint(name, self.tokenizer, request.resume_ids) if name is not None else None
         sequence = _Sequence(
@@ -283,6 +285,19 @@ class LLMEngine(Engine):
             self._stats["prefill_tokens"] += len(key) - start
             self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(scratch, len(key)), logits))
         return PrefixHandle(length=len(key), key=hash(key))
+
+    def export_prefix(self, token_ids: list[int]) -> PrefixEntry | None:
+        """The cached KV of exactly this prefix (to hand to another replica), or None."""
+        return self.prefix_cache.get(tuple(token_ids))
+
+    def import_prefix(self, entry: PrefixEntry) -> None:
+        """Adopt a prefix KV computed elsewhere (same model and dtype): no prefill needed for it."""
+        layers, _, kv_heads, _, head_dim = self.runner.k_cache.shape
+        expected = (layers, kv_heads, len(entry.token_ids), head_dim)
+        if tuple(entry.kv[0].shape) != expected:
+            raise ValueError(f"entry: KV shape {tuple(entry.kv[0].shape)} does not fit this model {expected}")
+        self.prefix_cache.put(PrefixEntry(tuple(entry.token_ids), tuple(t.to(self.runner.device) for t in entry.kv),
+                                          entry.last_logits.to(self.runner.device)))
 
     def stats(self) -> dict:
         cache = self.prefix_cache

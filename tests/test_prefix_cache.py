@@ -112,3 +112,32 @@ def test_zero_byte_cache_disables_prefix_reuse(make_engine, decode_alone):
     assert result.prefix_hit_tokens == 0
     assert result.token_ids == decode_alone(prompt, max_tokens=6).token_ids
     assert engine.stats()["prefix_entries"] == 0 and engine.stats()["prefix_misses"] == 1
+
+
+def test_shared_prefix_len_caches_the_prefix_and_later_prompts_reuse_it(make_engine, decode_alone):
+    from engine.types import GenerationRequest, SamplingParams
+
+    prefix = [7 + (i * 13) % 240 for i in range(40)]
+    first, second = prefix + [11, 12, 13], prefix + [21, 22]
+    engine = make_engine()
+    params = SamplingParams(max_tokens=6)
+    out = engine.generate([GenerationRequest(id="a", prompt_ids=first, params=params, shared_prefix_len=len(prefix))])
+    assert engine.export_prefix(prefix) is not None
+    [again] = engine.generate([GenerationRequest(id="b", prompt_ids=second, params=params)])
+    assert again.prefix_hit_tokens == len(prefix)
+    assert out[0].token_ids == decode_alone(first, max_tokens=6).token_ids
+    assert again.token_ids == decode_alone(second, max_tokens=6).token_ids
+
+
+def test_a_prefix_exported_from_one_engine_serves_another(make_engine, decode_alone):
+    from engine.types import GenerationRequest, SamplingParams
+
+    prefix = [9 + (i * 7) % 230 for i in range(30)]
+    source, target = make_engine(), make_engine()
+    source.prefill_prefix(prefix)
+    target.import_prefix(source.export_prefix(prefix))
+    prompt = prefix + [40, 41, 42]
+    [result] = target.generate([GenerationRequest(id="x", prompt_ids=prompt, params=SamplingParams(max_tokens=5))])
+    assert result.prefix_hit_tokens == len(prefix)
+    assert result.token_ids == decode_alone(prompt, max_tokens=5).token_ids
+    assert target.stats()["prefill_tokens"] == 3  # only the prompt's own tail was computed
