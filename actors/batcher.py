@@ -1,42 +1,157 @@
 """The batcher actor: one per application, an asyncio shell over `predictor.batcher.Batcher`.
 
-Callers `await submit(request)` and get back the request's final result, however many cut-off
-attempts it took; decoder replicas pull `next_batch`, decode it, and `report` the results, or
-`fail` the batch when they cannot finish it. Everything crossing the boundary is plain data.
+Callers `await submit(request)` (or iterate `stream(request)`) and get the request's final result,
+however many cut-off attempts it took. Micro-batches reach the decoders one of two ways:
+- push (the Serve application): with `send_batch`, the actor's own loop hands each micro-batch to a
+  decoder replica (through Serve's router, so the decoders' load drives their autoscaling) and
+  routes the streamed events and results back;
+- pull: decoders call `next_batch`, decode, then `report` or `fail`.
+With `predict`, requests that arrive without a predicted length get one first; a predictor that
+fails or is slow leaves the prediction empty, which the core sends to its default bin.
+Everything crossing the boundary is plain data.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from engine.types import GenerationRequest, Result
+from pydantic import BaseModel, Field
+
+from engine.types import FinishReason, GenerationRequest, Result
 from predictor.batcher import Batcher, BatcherConfig
+
+SendBatch = Callable[[dict], AsyncIterator[dict]]
+Predict = Callable[[list[int]], Awaitable[int]]
+
+
+class DispatchConfig(BaseModel):
+    """How the push loop feeds the decoders."""
+
+    max_batches_in_flight: int = Field(
+        4, ge=1, description="Micro-batches handed to decoders and not yet finished. Requests wait in their bins "
+        "meanwhile, which is what lets them group; raise it with the number of decoder replicas.")
+    predict_timeout_s: float = Field(5.0, gt=0, description="A prediction slower than this is skipped (default bin).")
+
+
+class RequestFailed(RuntimeError):
+    """The decoder refused the request (it never fits), so it is answered with this error."""
 
 
 class BatcherActor:
-    """Start it with `ray.remote(BatcherActor).remote(config)` (or wrap it in `serve.deployment`);
-    `config` is a `BatcherConfig` as a dict. All methods are async, so one actor serves many
-    concurrent submitters and decoders on its event loop without locks."""
+    """Start it with `ray.remote(BatcherActor).remote(config)`, or hold it in a Serve deployment with
+    `send_batch`/`predict`. `config` is a `BatcherConfig` as a dict."""
 
-    def __init__(self, config: dict | None = None):
+    def __init__(self, config: dict | None = None, send_batch: SendBatch | None = None,
+                 predict: Predict | None = None, dispatch: dict | None = None):
         self.core = Batcher(BatcherConfig.model_validate(config or {}))
+        self.dispatch = DispatchConfig.model_validate(dispatch or {})
+        self._send_batch, self._predict = send_batch, predict
         self._waiters: dict[str, asyncio.Future] = {}
+        self._listeners: dict[str, asyncio.Queue] = {}
+        self._progress: dict[str, list[int]] = {}  # tokens each request holds so far in its current attempt
         self._queued = asyncio.Event()  # set whenever a request may have become available
+        self._loop_task: asyncio.Task | None = None
+        self.counts = {"predictions": 0, "prediction_failures": 0, "refused": 0}
 
+    # ---- requests in ----------------------------------------------------------------------------
     async def submit(self, request: dict) -> dict:
         """Queue a `GenerationRequest` (as a dict) and return its final `Result` as a dict.
         Raises ValueError naming the field for an invalid request or a duplicate id."""
-        parsed = GenerationRequest.model_validate(request)
-        self.core.submit(parsed, time.monotonic())
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters[parsed.id] = waiter
-        self._queued.set()
+        parsed = await self._with_prediction(GenerationRequest.model_validate(request))
+        waiter = self._enqueue(parsed)
         try:
             result: Result = await waiter
         finally:
             self._waiters.pop(parsed.id, None)
         return result.model_dump(mode="json")
 
+    async def stream(self, request: dict) -> AsyncIterator[dict]:
+        """{"event": TokenEvent} as the answer grows (continuing across cut-off attempts), then
+        {"result": Result}."""
+        parsed = await self._with_prediction(GenerationRequest.model_validate(request))
+        listener: asyncio.Queue = asyncio.Queue()
+        self._listeners[parsed.id] = listener
+        waiter = self._enqueue(parsed)
+        try:
+            while True:
+                getter = asyncio.ensure_future(listener.get())
+                await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield {"event": getter.result()}
+                    continue
+                getter.cancel()
+                while not listener.empty():
+                    yield {"event": listener.get_nowait()}
+                yield {"result": waiter.result().model_dump(mode="json")}
+                return
+        finally:
+            self._listeners.pop(parsed.id, None)
+            self._waiters.pop(parsed.id, None)
+
+    def _enqueue(self, request: GenerationRequest) -> asyncio.Future:
+        self.core.submit(request, time.monotonic())
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[request.id] = waiter
+        self._progress[request.id] = list(request.resume_ids)
+        self._queued.set()
+        if self._send_batch is not None and self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._push_loop())
+        return waiter
+
+    async def _with_prediction(self, request: GenerationRequest) -> GenerationRequest:
+        if request.predicted_len is not None or self._predict is None:
+            return request
+        try:
+            predicted = await asyncio.wait_for(self._predict(request.prompt_ids), self.dispatch.predict_timeout_s)
+            self.counts["predictions"] += 1
+            return request.model_copy(update={"predicted_len": predicted})
+        except Exception:  # the core's default bin takes it; counted, never fatal
+            self.counts["prediction_failures"] += 1
+            return request
+
+    # ---- push: the actor's own loop feeds the decoders -----------------------------------------
+    async def _push_loop(self) -> None:
+        slots = asyncio.Semaphore(self.dispatch.max_batches_in_flight)
+        while True:
+            await slots.acquire()
+            batch = await self.next_batch(wait_s=1.0)
+            if batch is None:
+                slots.release()
+                continue
+            asyncio.create_task(self._run_remote(batch, slots))
+
+    async def _run_remote(self, batch: dict, slots: asyncio.Semaphore) -> None:
+        results, refused = [], {}
+        try:
+            async for item in self._send_batch(batch):
+                if "event" in item:
+                    self._on_event(item["event"])
+                elif "result" in item:
+                    results.append(item["result"])
+                else:
+                    refused[item["error"]["request_id"]] = item["error"]["message"]
+        except Exception:  # the replica died or the call failed: re-queue, keeping streamed tokens
+            partial = {r["id"]: self._progress.get(r["id"], []) for r in batch["requests"]}
+            self.core.fail(batch["id"], partial)
+            self._wake_if_pending()
+            return
+        finally:
+            slots.release()
+        for request_id in refused:
+            prompt = next(r for r in batch["requests"] if r["id"] == request_id)["prompt_ids"]
+            results.append(Result(request_id=request_id, prompt_tokens=len(prompt), token_ids=[], text="",
+                                  finish_reason=FinishReason.ABORT, ttft_s=0.0, latency_s=0.0).model_dump())
+        await self.report(batch["id"], results, refused)
+
+    def _on_event(self, event: dict) -> None:
+        request_id = event["request_id"]
+        self._progress.setdefault(request_id, []).extend(event["token_ids"])
+        listener = self._listeners.get(request_id)
+        if listener is not None:
+            listener.put_nowait(event)
+
+    # ---- pull: decoders ask for work ------------------------------------------------------------
     async def next_batch(self, budget_override: int | None = None, wait_s: float = 0.0) -> dict | None:
         """The next `MicroBatch` as a dict, or None when nothing is queued within `wait_s` seconds.
         `budget_override` replaces the configured token budget (the caller's free KV memory)."""
@@ -53,24 +168,34 @@ class BatcherActor:
             except asyncio.TimeoutError:
                 pass
 
-    async def report(self, batch_id: str, results: list[dict]) -> int:
-        """Hand in a batch's results (`Result` dicts); returns how many were final and answered."""
+    async def report(self, batch_id: str, results: list[dict], refused: dict[str, str] | None = None) -> int:
+        """Hand in a batch's results (`Result` dicts); returns how many were final and answered.
+        `refused` (request id -> why) answers those requests with a RequestFailed error."""
         final = self.core.report(batch_id, [Result.model_validate(r) for r in results])
         for result in final:
+            self._progress.pop(result.request_id, None)
             waiter = self._waiters.get(result.request_id)
-            if waiter is not None and not waiter.done():
+            if waiter is None or waiter.done():
+                continue
+            if refused and result.request_id in refused:
+                self.counts["refused"] += 1
+                waiter.set_exception(RequestFailed(refused[result.request_id]))
+            else:
                 waiter.set_result(result)
+        for result in results:  # a cut attempt starts over from its kept tokens
+            if result["finish_reason"] == FinishReason.CUT.value:
+                self._progress[result["request_id"]] = list(result["token_ids"])
         self._wake_if_pending()
         return len(final)
 
-    async def fail(self, batch_id: str) -> int:
+    async def fail(self, batch_id: str, partial: dict[str, list[int]] | None = None) -> int:
         """The batch will not be finished (its decoder died): re-queue it; returns how many requests."""
-        count = self.core.fail(batch_id)
+        count = self.core.fail(batch_id, partial)
         self._wake_if_pending()
         return count
 
     async def stats(self) -> dict:
-        return self.core.stats()
+        return {**self.core.stats(), **self.counts}
 
     def _wake_if_pending(self) -> None:
         if self.core.pending():

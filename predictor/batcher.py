@@ -238,13 +238,20 @@ class Batcher:
         self._requeue_front(entries.values())
         return final
 
-    def fail(self, batch_id: str) -> int:
+    def fail(self, batch_id: str, partial: dict[str, list[int]] | None = None) -> int:
         """A replica died with the batch in flight: its requests go back to the front of their
-        queue, unchanged. Returns how many; 0 for a batch already reported or failed."""
+        queue. `partial` (request id -> all tokens generated so far, e.g. already streamed to the
+        client) makes a request resume after those tokens instead of starting over. Returns how
+        many; 0 for a batch already reported or failed."""
         entries = self._in_flight.pop(batch_id, None)
         if entries is None:
             return 0
         self._counts["failed_batches"] += 1
+        for request_id, tokens in (partial or {}).items():
+            entry = entries.get(request_id)
+            if entry is not None and len(tokens) > len(entry.request.resume_ids) and \
+                    len(tokens) < entry.request.params.max_tokens:
+                entry.request = entry.request.model_copy(update={"resume_ids": list(tokens)})
         self._requeue_front(entries.values())
         return len(entries)
 

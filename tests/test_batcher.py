@@ -268,6 +268,17 @@ def test_fail_requeues_the_batch_in_front_with_nothing_lost_or_duplicated():
     assert b.stats()["failed_batches"] == 1 and b.pending() == b.in_flight() == 0
 
 
+def test_fail_with_partial_progress_resumes_after_the_tokens_already_sent():
+    b = batcher(max_batch_size=2)
+    for rid in ("a", "b"):
+        b.submit(req(rid, predicted=10), now=0)
+    batch = b.next_batch(now=0)
+    b.fail(batch.id, partial={"a": [5, 6, 7], "zzz": [1]})  # an unknown id is ignored
+    retried = b.next_batch(now=0)
+    resumed = {r.id: r.resume_ids for r in retried.requests}
+    assert resumed == {"a": [5, 6, 7], "b": []}
+
+
 # ---- on the tiny engine -------------------------------------------------------------------------
 def test_cut_and_resumed_answers_equal_uninterrupted_ones(make_engine, decode_alone):
     rng = random.Random(5)

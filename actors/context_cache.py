@@ -1,0 +1,44 @@
+"""The shared context-cache actor: one per application, a thin async shell over
+`graph.context_store.ContextStore`. Prefix KV payloads are Ray object references, handed around
+inside a list so that Ray passes the reference instead of fetching the tensors into this actor."""
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from graph.context_store import ContextStore
+
+
+class ContextCacheConfig(BaseModel):
+    """Bounds of the shared context cache."""
+
+    max_bytes: int = Field(2 << 30, ge=1, description="Prefix KV bytes the index keeps before evicting the least recently used.")
+    max_contexts: int = Field(10_000, ge=1, description="Request contexts (question, plan, node answers) kept.")
+
+
+class ContextCache:
+    """Wrap with `serve.deployment` (num_replicas=1) or `ray.remote`."""
+
+    def __init__(self, config: dict | None = None):
+        settings = ContextCacheConfig.model_validate(config or {})
+        self.store = ContextStore(settings.max_bytes, settings.max_contexts)
+
+    async def put_prefix(self, key: str, payload: list, nbytes: int, holder: str) -> list[str]:
+        return self.store.put_prefix(key, payload, nbytes, holder)
+
+    async def get_prefix(self, key: str, holder: str | None = None) -> list | None:
+        return self.store.get_prefix(key, holder)
+
+    async def open(self, request_id: str, question: str) -> None:
+        self.store.open(request_id, question)
+
+    async def update(self, request_id: str, plan: dict | None = None, answers: dict | None = None) -> bool:
+        return self.store.update(request_id, plan, answers)
+
+    async def get(self, request_id: str) -> dict | None:
+        return self.store.get(request_id)
+
+    async def close(self, request_id: str) -> None:
+        self.store.close(request_id)
+
+    async def stats(self) -> dict:
+        return self.store.stats()

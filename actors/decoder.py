@@ -1,0 +1,104 @@
+"""The decoder replica: one engine loop that runs the micro-batches the batcher hands it and
+streams back every request's tokens and final result.
+
+Node prompts of a plan carry `shared_prefix_len`; before such a request runs, the replica makes
+sure it holds that prefix's KV: already here, else fetched from the shared context cache (computed
+by another replica), else computed here and published there for the others."""
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.types import GenerationRequest, Result, TokenEvent
+from graph.context_store import prefix_key
+
+
+class DecoderReplica:
+    """Wrap with `serve.deployment`; `context_cache` is a handle to the ContextCache actor, or None."""
+
+    def __init__(self, engine_config: dict, context_cache=None, name: str = "decoder"):
+        from engine.engine import LLMEngine
+
+        self.engine = AsyncEngine(LLMEngine.from_config(EngineConfig(**engine_config)))
+        self.cache = context_cache
+        self.name = name
+        self._prefix_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.counts = {"prefix_local": 0, "prefix_fetched": 0, "prefix_computed": 0, "prefix_fetch_failed": 0}
+
+    async def run_batch(self, batch: dict):
+        """Yield {"event": TokenEvent}, then {"result": Result} for each request of the micro-batch
+        (or {"error": {"request_id", "message"}} for one the engine refuses)."""
+        requests = [GenerationRequest.model_validate(r) for r in batch["requests"]]
+        for request in requests:
+            if request.shared_prefix_len:
+                await self._ensure_prefix(request.prompt_ids[: request.shared_prefix_len])
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(request: GenerationRequest) -> None:
+            try:
+                async for item in self.engine.stream(request):
+                    queue.put_nowait(item)
+            except Exception as exc:  # refused by the engine: the batcher answers it with the error
+                queue.put_nowait({"error": {"request_id": request.id, "message": f"{type(exc).__name__}: {exc}"}})
+
+        tasks = [asyncio.create_task(pump(r)) for r in requests]
+        try:
+            for _ in range(len(requests)):
+                while True:
+                    item = await queue.get()
+                    if isinstance(item, TokenEvent):
+                        if item.token_ids or item.text:
+                            yield {"event": item.model_dump(mode="json")}
+                        continue
+                    yield {"result": item.model_dump(mode="json")} if isinstance(item, Result) else item
+                    break
+        finally:
+            for task in tasks:
+                task.cancel()  # a consumer that stops early aborts what is still running
+
+    async def _ensure_prefix(self, token_ids: list[int]) -> None:
+        key = prefix_key(token_ids)
+        async with self._prefix_locks[key]:
+            if await self.engine.call(lambda e: e.export_prefix(token_ids) is not None):
+                self.counts["prefix_local"] += 1
+                return
+            if self.cache is not None and await self._fetch(key):
+                return
+            entry = await self.engine.call(lambda e: (e.prefill_prefix(token_ids), e.export_prefix(token_ids))[1])
+            self.counts["prefix_computed"] += 1
+            if self.cache is not None and entry is not None:
+                import ray
+
+                await self.cache.put_prefix.remote(key, [ray.put(entry)], entry.nbytes, self.name)
+
+    async def _fetch(self, key: str) -> bool:
+        payload = await self.cache.get_prefix.remote(key, self.name)
+        if not payload:
+            return False
+        try:
+            entry = await payload[0]
+            await self.engine.call(lambda e: e.import_prefix(entry))
+        except Exception:  # its owner is gone or it does not fit: compute it here instead
+            self.counts["prefix_fetch_failed"] += 1
+            return False
+        self.counts["prefix_fetched"] += 1
+        return True
+
+    async def info(self) -> dict:
+        engine = self.engine.engine
+        return {"id": engine.model_name, "max_model_len": engine.max_model_len}
+
+    async def stats(self) -> dict:
+        engine_stats = await self.engine.call(lambda e: e.stats())
+        return {**engine_stats, **self.counts}
+
+    async def health(self) -> dict:
+        return self.engine.health()
+
+    def check_health(self) -> None:
+        """Called by Serve; a stuck or dead engine loop gets the replica replaced."""
+        health = self.engine.health()
+        if not health["healthy"]:
+            raise RuntimeError(f"engine loop unhealthy: {health}")
