@@ -18,10 +18,13 @@ from graph.context_store import prefix_key
 class DecoderReplica:
     """Wrap with `serve.deployment`; `context_cache` is a handle to the ContextCache actor, or None."""
 
-    def __init__(self, engine_config: dict, context_cache=None, name: str = "decoder"):
-        from engine.engine import LLMEngine
+    def __init__(self, engine_config: dict, context_cache=None, name: str = "decoder", engine=None):
+        """`engine`: an already built engine (tests); otherwise one is loaded from `engine_config`."""
+        if engine is None:
+            from engine.engine import LLMEngine
 
-        self.engine = AsyncEngine(LLMEngine.from_config(EngineConfig(**engine_config)))
+            engine = LLMEngine.from_config(EngineConfig(**engine_config))
+        self.engine = AsyncEngine(engine)
         self.cache = context_cache
         self.name = name
         self._prefix_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)

@@ -1,6 +1,11 @@
-"""The Serve application: an OpenAI-compatible ingress in front of autoscalable decoder replicas.
+"""The Serve application, on the request path of ../shared/DESIGN.md:
 
-Start it with `serve run cluster/local.yaml`, or `serve run deployments.app:build_app` for defaults.
+    Ingress (HTTP, OpenAI-compatible) -> Planner (checks and tokenizes; plans sot / plato answers)
+      -> Batcher (one; length prediction, bins, micro-batches, re-queues) -> Decoder replicas
+    LengthPredictor feeds the Batcher; ContextCache holds plans and prefix KV shared by decoders.
+
+Every request, plain or a plan node, goes through the batcher. Start it with
+`serve run cluster/local.yaml`, or `serve run deployments.app:build_app` for defaults.
 """
 from __future__ import annotations
 
@@ -9,12 +14,16 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
 
+from actors.batcher import BatcherActor
+from actors.context_cache import ContextCache
+from actors.decode_client import BatcherClient, HandleBatcher, Tokenizing
+from actors.decoder import DecoderReplica
+from actors.length_predictor import LengthPredictorReplica
 from deployments.api import create_app
 from deployments.completion_service import ApiLimits, CompletionService
 from deployments.config import AppConfig, load_app_config
 from deployments.openai_schema import OpenAIRequest, RequestError
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
+from graph.orchestrator import AnswerConfig, Orchestrator
 
 # Serve's own request limit on an ingress replica sits this far above limits.max_queued_requests, so
 # every request reaches the ingress's count (and its quick 503) instead of waiting in Serve's proxy
@@ -22,15 +31,55 @@ from engine.config import EngineConfig
 INGRESS_HEADROOM = 16
 
 
-@serve.deployment(max_ongoing_requests=64, ray_actor_options={"num_cpus": 1})
-class Decoder:
-    """One engine loop per replica; every concurrent request joins its continuous batch."""
+@serve.deployment(max_ongoing_requests=4, ray_actor_options={"num_cpus": 1})
+class Decoder(DecoderReplica):
+    """One engine loop per replica. Its ongoing requests are micro-batches, so Serve's autoscaler
+    adds replicas when batches queue up (target_ongoing_requests in the YAML)."""
 
-    def __init__(self, engine_config: dict, limits: dict):
-        from engine.engine import LLMEngine
+    def __init__(self, engine_config: dict, context_cache: DeploymentHandle | None):
+        context = serve.get_replica_context()
+        super().__init__(engine_config, context_cache, name=getattr(context, "replica_tag", "decoder"))
 
-        engine = LLMEngine.from_config(EngineConfig(**engine_config))
-        self.service = CompletionService(AsyncEngine(engine), ApiLimits(**limits))
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class ContextCacheDeployment(ContextCache):
+    """The shared context cache: one replica, so every decoder sees the same index."""
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class LengthPredictor(LengthPredictorReplica):
+    """Predicted answer lengths; concurrent single calls are batched into one forward pass."""
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
+    async def predict(self, prompts: list[list[int]]) -> list[int]:
+        return await self.predict_many(prompts)
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
+class Batcher(BatcherActor):
+    """The one central batcher; it pushes micro-batches to the decoders through Serve's router."""
+
+    def __init__(self, config: dict, dispatch: dict, decoder: DeploymentHandle, predictor: DeploymentHandle | None):
+        stream = decoder.options(stream=True)
+        super().__init__(config, send_batch=lambda batch: stream.run_batch.remote(batch),
+                         predict=(lambda ids: predictor.predict.remote(ids)) if predictor is not None else None,
+                         dispatch=dispatch)
+
+
+@serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})
+class Planner:
+    """Checks and tokenizes requests, answers `ar` with one batcher request and `sot` / `plato` /
+    `auto` by planning (graph.orchestrator), every decode going through the batcher."""
+
+    def __init__(self, engine_config: dict, limits: dict, answer: dict, batcher: DeploymentHandle):
+        from engine.config import EngineConfig
+        from engine.loader import load_tokenizer_and_context
+
+        config = EngineConfig(**engine_config)
+        tokenizer, max_model_len = load_tokenizer_and_context(config)
+        name = config.served_model_name or config.model
+        client = BatcherClient(HandleBatcher(batcher), Tokenizing(tokenizer, name, max_model_len))
+        self.service = CompletionService(client, ApiLimits(**limits), Orchestrator(client, AnswerConfig(**answer)))
 
     async def complete(self, request: OpenAIRequest) -> dict:
         try:
@@ -53,58 +102,57 @@ class Decoder:
     async def health(self) -> dict:
         return await self.service.health()
 
-    def check_health(self) -> None:
-        """Called by Serve; a stuck or dead engine loop gets the replica replaced."""
-        health = self.service.engine.health()
-        if not health["healthy"]:
-            raise RuntimeError(f"engine loop unhealthy: {health}")
-
 
 class HandleBackend:
-    """The ingress's view of the decoder deployment (see deployments.api.CompletionBackend)."""
+    """The ingress's view of the planner deployment (see deployments.api.CompletionBackend)."""
 
-    def __init__(self, decoder: DeploymentHandle):
-        self.decoder = decoder
+    def __init__(self, planner: DeploymentHandle):
+        self.planner = planner
 
     async def complete(self, request: OpenAIRequest) -> dict:
-        out = await self.decoder.complete.remote(request)
+        out = await self.planner.complete.remote(request)
         if "error" in out:
             raise RequestError(**out["error"])
         return out
 
     async def stream(self, request: OpenAIRequest):
-        async for chunk in self.decoder.options(stream=True).stream.remote(request):
+        async for chunk in self.planner.options(stream=True).stream.remote(request):
             if "error" in chunk:
                 raise RequestError(**chunk["error"])
             yield chunk
 
     async def info(self) -> dict:
-        return await self.decoder.info.remote()
+        return await self.planner.info.remote()
 
     async def health(self) -> dict:
-        return await self.decoder.health.remote()
+        return await self.planner.health.remote()
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class Ingress:
     """HTTP entry point: checks the API key and the replica's load, validates OpenAI requests and
-    forwards them to the decoders."""
+    forwards them to the planner."""
 
-    def __init__(self, decoder: DeploymentHandle, config: dict):
-        self.decoder = decoder
+    def __init__(self, planner: DeploymentHandle, config: dict):
+        self.planner = planner
         self.config = AppConfig.model_validate(config)
         self.api_key = self.config.resolve_api_key()  # a missing key fails the replica's start, loudly
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        """Called by Serve on each replica after `__init__`: the routes over the decoder handle."""
-        backend = HandleBackend(self.decoder)
+        """Called by Serve on each replica after `__init__`: the routes over the planner handle."""
+        backend = HandleBackend(self.planner)
         return create_app(backend, api_key=self.api_key, max_in_flight=self.config.limits.max_queued_requests)
 
 
 def build_app(args: dict | None = None) -> Application:
     """Serve application builder: `args` are the YAML's `args`, checked before anything starts."""
     config = load_app_config(args)
-    decoder = Decoder.bind(config.engine.model_dump(), config.limits.model_dump())
+    engine = config.engine.model_dump()
+    cache = ContextCacheDeployment.bind(config.context_cache.model_dump())
+    decoder = Decoder.bind(engine, cache)
+    predictor = LengthPredictor.bind(engine, config.predictor.model_dump()) if config.predictor else None
+    batcher = Batcher.bind(config.batcher.model_dump(), config.dispatch.model_dump(), decoder, predictor)
+    planner = Planner.bind(engine, config.limits.model_dump(), config.answer.model_dump(), batcher)
     ingress = Ingress.options(max_ongoing_requests=config.limits.max_queued_requests + INGRESS_HEADROOM)
-    return ingress.bind(decoder, config.model_dump())
+    return ingress.bind(planner, config.model_dump())

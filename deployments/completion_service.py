@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from deployments.openai_schema import (
     AssistantMessage,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatCompletionResponse,
     Choice,
     ChunkChoice,
@@ -23,11 +24,9 @@ from deployments.openai_schema import (
 )
 from engine.async_engine import AsyncEngine
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams
-from graph.orchestrator import Mode
+from graph.orchestrator import Answer, Orchestrator
 
-# Every requested chat mode is answered by plain decoding until the planner is wired in; the
-# response's `mode` says so.
-ANSWER_MODE: Mode = "ar"
+PLAIN_MODE = "ar"
 
 
 def _finish(result: Result) -> str:
@@ -69,9 +68,10 @@ class CompletionService:
     """Serves chat and text completions from one engine: checks a request against the served model
     and the limits, decodes it, and shapes the answer the way its endpoint expects."""
 
-    def __init__(self, engine: AsyncEngine, limits: ApiLimits):
+    def __init__(self, engine: AsyncEngine, limits: ApiLimits, orchestrator: Orchestrator | None = None):
         self.engine = engine
         self.limits = limits
+        self.orchestrator = orchestrator  # answers sot / plato / auto; without it every mode is `ar`
         self.model_name = engine.engine.model_name
         self.max_model_len = engine.engine.max_model_len
 
@@ -120,14 +120,39 @@ class CompletionService:
         )
         return GenerationRequest(prompt_ids=prompt_ids, params=params)
 
+    def _planned(self, request: OpenAIRequest) -> bool:
+        """Planning answers one question: a single user message asked in a mode other than `ar`."""
+        return (self.orchestrator is not None and isinstance(request, ChatCompletionRequest)
+                and request.mode != PLAIN_MODE and len(request.messages) == 1 and request.messages[0].role == "user")
+
+    async def _plan_and_answer(self, request: ChatCompletionRequest, engine_request: GenerationRequest) -> Answer:
+        budget = {"max_tokens": engine_request.params.max_tokens, "stop_on_loop": self.limits.stop_on_loop}
+        orchestrator = Orchestrator(self.orchestrator.client, self.orchestrator.config.model_copy(update=budget))
+        return await orchestrator.answer(request.messages[0].content, request.mode)
+
+    def _planned_response(self, request, engine_request, answer: Answer) -> ChatCompletionResponse:
+        usage = Usage(prompt_tokens=len(engine_request.prompt_ids), completion_tokens=answer.completion_tokens,
+                      total_tokens=len(engine_request.prompt_ids) + answer.completion_tokens)
+        plan = None
+        if request.return_plan:
+            plan = {"nodes": [n.model_dump() for n in answer.plan.nodes] if answer.plan else [],
+                    "plan_s": answer.plan_s, "fallback": answer.fallback, "routed": answer.routed,
+                    "node_timings": [t.model_dump() for t in answer.nodes]}
+        choice = Choice(message=AssistantMessage(content=answer.text), finish_reason="stop")
+        return ChatCompletionResponse(model=self.model_name, choices=[choice], usage=usage, mode=answer.mode, plan=plan)
+
     async def complete(self, request: OpenAIRequest) -> ChatCompletionResponse | TextCompletion:
-        result = await self.engine.generate(await self.to_engine_request(request))
+        engine_request = await self.to_engine_request(request)
+        if self._planned(request):
+            return self._planned_response(request, engine_request,
+                                          await self._plan_and_answer(request, engine_request))
+        result = await self.engine.generate(engine_request)
         finish, usage = _finish(result), _usage(result)
         if isinstance(request, CompletionRequest):
             choice = TextChoice(text=result.text, finish_reason=finish)
             return TextCompletion(model=self.model_name, choices=[choice], usage=usage)
         choice = Choice(message=AssistantMessage(content=result.text), finish_reason=finish)
-        return ChatCompletionResponse(model=self.model_name, choices=[choice], usage=usage, mode=ANSWER_MODE)
+        return ChatCompletionResponse(model=self.model_name, choices=[choice], usage=usage, mode=PLAIN_MODE)
 
     async def stream(self, request: OpenAIRequest) -> AsyncIterator[dict]:
         """OpenAI chunk dicts (`chat.completion.chunk`, or `text_completion` for a raw prompt): for
@@ -135,10 +160,20 @@ class CompletionService:
         `stream_options.include_usage` asks. The request is checked before the first chunk, so a bad
         one fails before anything is sent."""
         engine_request = await self.to_engine_request(request)
+        if self._planned(request):  # a planned answer is assembled from its nodes, then sent whole
+            response = self._planned_response(request, engine_request,
+                                              await self._plan_and_answer(request, engine_request))
+            chunk = ChatCompletionChunk(model=self.model_name, choices=[], mode=response.mode)
+            yield chunk.model_copy(update={"choices": [ChunkChoice(delta={"role": "assistant"})]}).model_dump()
+            yield chunk.piece(response.choices[0].message.content)
+            yield chunk.piece("", "stop")
+            if request.include_usage:
+                yield chunk.model_copy(update={"choices": [], "usage": response.usage}).model_dump()
+            return
         if isinstance(request, CompletionRequest):
             chunk = TextCompletion(model=self.model_name, choices=[])
         else:
-            chunk = ChatCompletionChunk(model=self.model_name, choices=[], mode=ANSWER_MODE)
+            chunk = ChatCompletionChunk(model=self.model_name, choices=[], mode=PLAIN_MODE)
             yield chunk.model_copy(update={"choices": [ChunkChoice(delta={"role": "assistant"})]}).model_dump()
         async for item in self.engine.stream(engine_request):
             if isinstance(item, Result):

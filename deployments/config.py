@@ -5,8 +5,13 @@ import os
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from actors.batcher import DispatchConfig
+from actors.context_cache import ContextCacheConfig
 from deployments.completion_service import ApiLimits
 from engine.config import EngineConfig
+from graph.orchestrator import AnswerConfig
+from predictor.batcher import BatcherConfig
+from predictor.predict import PredictorConfig
 
 
 class AppConfig(BaseModel):
@@ -17,6 +22,16 @@ class AppConfig(BaseModel):
 
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Model and engine settings.")
     limits: ApiLimits = Field(default_factory=ApiLimits, description="Per-request limits of the API.")
+    batcher: BatcherConfig = Field(default_factory=BatcherConfig, description="The central batcher: length bins, "
+                                   "token budget per micro-batch, failure recompute, aging.")
+    dispatch: DispatchConfig = Field(default_factory=DispatchConfig, description="How micro-batches reach the decoders.")
+    predictor: PredictorConfig | None = Field(
+        default_factory=PredictorConfig,
+        description="The length predictor (a trained adapter on the serving model); null: no prediction, every "
+        "request goes to the batcher's default bin.")
+    answer: AnswerConfig = Field(default_factory=AnswerConfig, description="Planned answers (sot, plato, auto).")
+    context_cache: ContextCacheConfig = Field(default_factory=ContextCacheConfig,
+                                              description="The shared context cache of plans and prefix KV.")
     api_key: str | None = Field(
         None,
         min_length=1,

@@ -83,7 +83,8 @@ class ChatCompletionRequest(_RequestFields):
         description="How to answer: 'ar' plain decoding, 'sot' Skeleton-of-Thought, 'plato' a plan DAG, "
         "'auto' routed per question. The response's `mode` says which mode produced the answer.",
     )
-    return_plan: bool = Field(False, description="Return the plan with a planned answer (no effect yet).")
+    return_plan: bool = Field(False, description="With a planned answer (sot, plato), return its plan and "
+                              "per-node timings in the response's `plan` field.")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -159,6 +160,7 @@ class ChatCompletionResponse(_Completion):
     choices: list[Choice]
     usage: Usage
     mode: Mode = Field(description="The answer mode that produced this answer.")
+    plan: dict | None = Field(None, description="With return_plan: the plan, its timings and any fallback.")
 
 
 class ChunkChoice(BaseModel):

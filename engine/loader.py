@@ -104,3 +104,13 @@ def select_device_and_dtype(config) -> tuple[torch.device, torch.dtype]:
     if config.dtype != "auto":
         return device, names[config.dtype]
     return device, torch.bfloat16 if use_cuda else torch.float32
+
+
+def load_tokenizer_and_context(config) -> tuple:
+    """The tokenizer and the usable context length of `config.model`, without loading its weights
+    (what a process that only checks and encodes requests needs)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = resolve_model_dir(config.model, config.cache_dir)
+    context = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None) or config.max_model_len
+    return AutoTokenizer.from_pretrained(model_dir), min(config.max_model_len, context)

@@ -1,0 +1,80 @@
+"""How the planner side reaches the decoders: through the central batcher, never around it.
+
+`BatcherClient` is both what `CompletionService` needs (an AsyncEngine-like object: tokenize, then
+`generate` / `stream`) and what the plan `Orchestrator` needs (a `DecodeClient`). It tokenizes
+locally, with the served model's tokenizer, and submits every request to the batcher."""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator
+
+from engine.types import GenerationRequest, Result, TokenEvent
+
+REMEMBERED_PREFIXES = 256
+
+
+class Tokenizing:
+    """The tokenizer side of an engine: what a request is checked and encoded with."""
+
+    def __init__(self, tokenizer, model_name: str, max_model_len: int):
+        self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+class HandleBatcher:
+    """A Serve handle to the batcher deployment, seen as an object with submit / stream."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def submit(self, request: dict) -> dict:
+        return await self.handle.submit.remote(request)
+
+    def stream(self, request: dict) -> AsyncIterator[dict]:
+        return self.handle.options(stream=True).stream.remote(request)
+
+
+class BatcherClient:
+    """`batcher` has `async submit(dict) -> dict` and `stream(dict)` yielding {"event"} / {"result"}:
+    a BatcherActor in-process, or a HandleBatcher."""
+
+    def __init__(self, batcher, tokenizing: Tokenizing):
+        self.batcher = batcher
+        self.engine = tokenizing  # CompletionService reads model_name / max_model_len here
+        self._prefixes: deque[tuple[int, ...]] = deque(maxlen=REMEMBERED_PREFIXES)
+
+    async def call(self, fn):
+        return fn(self.engine)
+
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.engine.encode_chat(messages, add_generation_prompt)
+
+    async def prefill_prefix(self, token_ids: list[int]) -> None:
+        """Remember the prefix: requests that start with it are marked `shared_prefix_len`, and the
+        decoder replica that runs them computes it once, or fetches it from the context cache."""
+        self._prefixes.append(tuple(token_ids))
+
+    def _mark(self, request: GenerationRequest) -> GenerationRequest:
+        prompt = tuple(request.prompt_ids)
+        shared = max((len(p) for p in self._prefixes if len(p) < len(prompt) and prompt[: len(p)] == p), default=0)
+        return request.model_copy(update={"shared_prefix_len": shared}) if shared else request
+
+    async def generate(self, request: GenerationRequest) -> Result:
+        return Result.model_validate(await self.batcher.submit(self._mark(request).model_dump(mode="json")))
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Result]:
+        async for item in self.batcher.stream(self._mark(request).model_dump(mode="json")):
+            if "event" in item:
+                yield TokenEvent.model_validate(item["event"])
+            else:
+                yield Result.model_validate(item["result"])
+
+    def health(self) -> dict:
+        return {"healthy": True, "note": "the decoders' health is checked by Serve on each replica"}

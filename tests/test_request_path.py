@@ -1,0 +1,93 @@
+"""The application's request path in one process, on the tiny model: CompletionService ->
+BatcherClient -> BatcherActor (push mode, predictions) -> DecoderReplica -> engine. The same
+objects the Serve deployments hold, minus Ray, so every mode and the prefix sharing of plan nodes
+are checked without starting a cluster."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.batcher import BatcherActor
+from actors.decode_client import BatcherClient, Tokenizing
+from actors.decoder import DecoderReplica
+from deployments.completion_service import ApiLimits, CompletionService
+from deployments.openai_schema import ChatCompletionRequest
+from engine.types import GenerationRequest, SamplingParams
+from graph.orchestrator import AnswerConfig, Orchestrator
+
+
+@pytest.fixture
+def path(make_engine, tiny_tokenizer):
+    """(service, batcher, decoder) wired like the Serve app, with a predictor that says 7."""
+    engine = make_engine(max_batch_size=8)
+    decoder = DecoderReplica({}, engine=engine)
+    asked = []
+
+    async def predict(prompt_ids):
+        asked.append(prompt_ids)
+        return 7
+
+    batcher = BatcherActor({"bins": {"edges": [8, 16, 64]}}, send_batch=decoder.run_batch, predict=predict)
+    client = BatcherClient(batcher, Tokenizing(tiny_tokenizer, engine.model_name, engine.max_model_len))
+    answer = AnswerConfig(max_tokens=24, plan_max_tokens=16, node_max_tokens=8, plan_constraint=None)
+    service = CompletionService(client, ApiLimits(default_max_tokens=20), Orchestrator(client, answer))
+    yield service, batcher, decoder, asked
+    decoder.engine.shutdown()
+
+
+def chat(content: str, **fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": content}], **fields)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=60))
+
+
+def test_plain_answers_go_through_the_batcher_and_equal_direct_decoding(path, decode_alone, tiny_tokenizer):
+    service, batcher, decoder, asked = path
+
+    async def main():
+        plain = await service.complete(chat("hello there", temperature=0))
+        streamed = [c async for c in service.stream(chat("hello there", temperature=0))]
+        return plain, streamed, await batcher.stats()
+
+    plain, streamed, stats = run(main())
+    prompt = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)
+    direct = decode_alone(list(prompt), max_tokens=20)
+    assert plain.choices[0].message.content == direct.text and plain.usage.completion_tokens == 20
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in streamed if c["choices"]) == direct.text
+    # predicted 7, so both went through the 8-token bin, were cut and resumed to the full 20
+    assert len(asked) == 2 and stats["requeues"] >= 2 and stats["finished"] == 2
+
+
+def test_planned_modes_answer_and_report_their_plan(path):
+    service, batcher, decoder, _ = path
+
+    async def main():
+        return [await service.complete(chat("Explain why the sky is blue.", mode=m, return_plan=True))
+                for m in ("sot", "plato", "auto")]
+
+    for response in run(main()):
+        assert response.choices[0].message.content
+        assert response.mode in ("ar", "sot", "plato") and response.plan is not None
+        assert response.usage.completion_tokens > 0
+
+
+def test_node_prompts_marked_with_a_shared_prefix_reuse_its_kv_on_the_replica(path):
+    service, batcher, decoder, _ = path
+    client = service.orchestrator.client
+    prefix = list(range(10, 50))
+
+    async def main():
+        await client.prefill_prefix(prefix)
+        requests = [GenerationRequest(prompt_ids=prefix + [60 + i, 61], params=SamplingParams(max_tokens=4))
+                    for i in range(3)]
+        results = await asyncio.gather(*(client.generate(r) for r in requests))
+        return results, await decoder.stats()
+
+    results, stats = run(main())
+    assert all(r.completion_tokens == 4 for r in results)
+    assert stats["prefix_computed"] == 1 and stats["prefix_local"] == 2  # computed once, then found
+    assert sum(r.prefix_hit_tokens for r in results) == 3 * len(prefix)
