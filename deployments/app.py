@@ -9,6 +9,8 @@ Every request, plain or a plan node, goes through the batcher. Start it with
 """
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
@@ -100,7 +102,15 @@ class Planner:
         return await self.service.info()
 
     async def health(self) -> dict:
-        return await self.service.health()
+        """Healthy while the decoder deployment is: Serve marks it unhealthy when replicas fail their
+        `check_health`, which fails when a replica's engine loop is stuck or dead."""
+        status = await asyncio.to_thread(serve.status)
+        app = status.applications.get(serve.get_replica_context().app_name)
+        decoder = app.deployments.get("Decoder") if app else None
+        state = decoder.status.value if decoder else "MISSING"
+        replicas = {k.value if hasattr(k, "value") else str(k): v for k, v in (decoder.replica_states or {}).items()} \
+            if decoder else {}
+        return {"healthy": state == "HEALTHY", "decoder": state, "decoder_replicas": replicas}
 
 
 class HandleBackend:
