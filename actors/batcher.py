@@ -43,13 +43,16 @@ class BatcherActor:
     `send_batch`/`predict`. `config` is a `BatcherConfig` as a dict."""
 
     def __init__(self, config: dict | None = None, send_batch: SendBatch | None = None,
-                 predict: Predict | None = None, dispatch: dict | None = None):
+                 predict: Predict | None = None, dispatch: dict | None = None, observer=None):
+        """`observer` (deployments.metrics.BatcherMetrics or None) hears of batches, queues and lengths."""
         self.core = Batcher(BatcherConfig.model_validate(config or {}))
         self.dispatch = DispatchConfig.model_validate(dispatch or {})
         self._send_batch, self._predict = send_batch, predict
         self._waiters: dict[str, asyncio.Future] = {}
         self._listeners: dict[str, asyncio.Queue] = {}
         self._progress: dict[str, list[int]] = {}  # tokens each request holds so far in its current attempt
+        self._predicted: dict[str, int | None] = {}
+        self.observer = observer
         self._queued = asyncio.Event()  # set whenever a request may have become available
         self._loop_task: asyncio.Task | None = None
         self.counts = {"predictions": 0, "prediction_failures": 0, "refused": 0}
@@ -94,6 +97,7 @@ class BatcherActor:
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[request.id] = waiter
         self._progress[request.id] = list(request.resume_ids)
+        self._predicted[request.id] = request.predicted_len
         self._queued.set()
         if self._send_batch is not None and self._loop_task is None:
             self._loop_task = asyncio.create_task(self._push_loop())
@@ -160,6 +164,9 @@ class BatcherActor:
         while True:
             batch = self.core.next_batch(time.monotonic(), budget_override)
             left = deadline - loop.time()
+            if batch is not None and self.observer is not None:
+                self.observer.batch(len(batch.requests), batch.tokens)
+                self.observer.queues(self.core.stats()["queued_per_bin"])
             if batch is not None or left <= 0:
                 return None if batch is None else batch.model_dump(mode="json")
             self._queued.clear()
@@ -174,6 +181,9 @@ class BatcherActor:
         final = self.core.report(batch_id, [Result.model_validate(r) for r in results])
         for result in final:
             self._progress.pop(result.request_id, None)
+            predicted = self._predicted.pop(result.request_id, None)
+            if self.observer is not None:
+                self.observer.finished(predicted, result.completion_tokens)
             waiter = self._waiters.get(result.request_id)
             if waiter is None or waiter.done():
                 continue
@@ -185,6 +195,8 @@ class BatcherActor:
         for result in results:  # a cut attempt starts over from its kept tokens
             if result["finish_reason"] == FinishReason.CUT.value:
                 self._progress[result["request_id"]] = list(result["token_ids"])
+                if self.observer is not None:
+                    self.observer.requeue()
         self._wake_if_pending()
         return len(final)
 

@@ -18,8 +18,9 @@ from graph.context_store import prefix_key
 class DecoderReplica:
     """Wrap with `serve.deployment`; `context_cache` is a handle to the ContextCache actor, or None."""
 
-    def __init__(self, engine_config: dict, context_cache=None, name: str = "decoder", engine=None):
-        """`engine`: an already built engine (tests); otherwise one is loaded from `engine_config`."""
+    def __init__(self, engine_config: dict, context_cache=None, name: str = "decoder", engine=None, observer=None):
+        """`engine`: an already built engine (tests); otherwise one is loaded from `engine_config`.
+        `observer`: deployments.metrics.DecoderMetrics, or None."""
         if engine is None:
             from engine.engine import LLMEngine
 
@@ -28,6 +29,7 @@ class DecoderReplica:
         self.cache = context_cache
         self.name = name
         self._prefix_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.observer = observer
         self.counts = {"prefix_local": 0, "prefix_fetched": 0, "prefix_computed": 0, "prefix_fetch_failed": 0}
 
     async def run_batch(self, batch: dict):
@@ -52,6 +54,8 @@ class DecoderReplica:
                 while True:
                     item = await queue.get()
                     if isinstance(item, TokenEvent):
+                        if self.observer is not None and item.token_ids:
+                            self.observer.generated(len(item.token_ids))
                         if item.token_ids or item.text:
                             yield {"event": item.model_dump(mode="json")}
                         continue
@@ -65,12 +69,12 @@ class DecoderReplica:
         key = prefix_key(token_ids)
         async with self._prefix_locks[key]:
             if await self.engine.call(lambda e: e.export_prefix(token_ids) is not None):
-                self.counts["prefix_local"] += 1
+                self._count_prefix("local")
                 return
             if self.cache is not None and await self._fetch(key):
                 return
             entry = await self.engine.call(lambda e: (e.prefill_prefix(token_ids), e.export_prefix(token_ids))[1])
-            self.counts["prefix_computed"] += 1
+            self._count_prefix("computed")
             if self.cache is not None and entry is not None:
                 import ray
 
@@ -86,8 +90,13 @@ class DecoderReplica:
         except Exception:  # its owner is gone or it does not fit: compute it here instead
             self.counts["prefix_fetch_failed"] += 1
             return False
-        self.counts["prefix_fetched"] += 1
+        self._count_prefix("fetched")
         return True
+
+    def _count_prefix(self, outcome: str) -> None:
+        self.counts[f"prefix_{outcome}"] += 1
+        if self.observer is not None:
+            self.observer.prefix_lookup(outcome)
 
     async def info(self) -> dict:
         engine = self.engine.engine

@@ -24,6 +24,7 @@ from actors.length_predictor import LengthPredictorReplica
 from deployments.api import create_app
 from deployments.completion_service import ApiLimits, CompletionService
 from deployments.config import AppConfig, load_app_config
+from deployments.metrics import BatcherMetrics, DecoderMetrics, PlannerMetrics
 from deployments.openai_schema import OpenAIRequest, RequestError
 from graph.orchestrator import AnswerConfig, Orchestrator
 
@@ -40,7 +41,8 @@ class Decoder(DecoderReplica):
 
     def __init__(self, engine_config: dict, context_cache: DeploymentHandle | None):
         context = serve.get_replica_context()
-        super().__init__(engine_config, context_cache, name=getattr(context, "replica_tag", "decoder"))
+        super().__init__(engine_config, context_cache, name=getattr(context, "replica_tag", "decoder"),
+                         observer=DecoderMetrics())
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -65,7 +67,7 @@ class Batcher(BatcherActor):
         stream = decoder.options(stream=True)
         super().__init__(config, send_batch=lambda batch: stream.run_batch.remote(batch),
                          predict=(lambda ids: predictor.predict.remote(ids)) if predictor is not None else None,
-                         dispatch=dispatch)
+                         dispatch=dispatch, observer=BatcherMetrics())
 
 
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})
@@ -81,7 +83,8 @@ class Planner:
         tokenizer, max_model_len = load_tokenizer_and_context(config)
         name = config.served_model_name or config.model
         client = BatcherClient(HandleBatcher(batcher), Tokenizing(tokenizer, name, max_model_len))
-        self.service = CompletionService(client, ApiLimits(**limits), Orchestrator(client, AnswerConfig(**answer)))
+        self.service = CompletionService(client, ApiLimits(**limits), Orchestrator(client, AnswerConfig(**answer)),
+                                         observer=PlannerMetrics())
 
     async def complete(self, request: OpenAIRequest) -> dict:
         try:

@@ -4,6 +4,7 @@ OpenAI responses.
 Ray-free: the Serve decoder deployment holds one of these; tests use it directly."""
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -68,8 +69,11 @@ class CompletionService:
     """Serves chat and text completions from one engine: checks a request against the served model
     and the limits, decodes it, and shapes the answer the way its endpoint expects."""
 
-    def __init__(self, engine: AsyncEngine, limits: ApiLimits, orchestrator: Orchestrator | None = None):
+    def __init__(self, engine: AsyncEngine, limits: ApiLimits, orchestrator: Orchestrator | None = None,
+                 observer=None):
+        """`observer`: deployments.metrics.PlannerMetrics, or None."""
         self.engine = engine
+        self.observer = observer
         self.limits = limits
         self.orchestrator = orchestrator  # answers sot / plato / auto; without it every mode is `ar`
         self.model_name = engine.engine.model_name
@@ -141,12 +145,19 @@ class CompletionService:
         choice = Choice(message=AssistantMessage(content=answer.text), finish_reason="stop")
         return ChatCompletionResponse(model=self.model_name, choices=[choice], usage=usage, mode=answer.mode, plan=plan)
 
+    def _observe(self, mode: str, planned: bool, fell_back: bool, started: float) -> None:
+        if self.observer is not None:
+            self.observer.answered(mode, planned, fell_back, time.perf_counter() - started)
+
     async def complete(self, request: OpenAIRequest) -> ChatCompletionResponse | TextCompletion:
+        started = time.perf_counter()
         engine_request = await self.to_engine_request(request)
         if self._planned(request):
-            return self._planned_response(request, engine_request,
-                                          await self._plan_and_answer(request, engine_request))
+            answer = await self._plan_and_answer(request, engine_request)
+            self._observe(answer.mode, True, answer.fallback is not None, started)
+            return self._planned_response(request, engine_request, answer)
         result = await self.engine.generate(engine_request)
+        self._observe(PLAIN_MODE, False, False, started)
         finish, usage = _finish(result), _usage(result)
         if isinstance(request, CompletionRequest):
             choice = TextChoice(text=result.text, finish_reason=finish)
@@ -159,10 +170,14 @@ class CompletionService:
         chat the role first, then text pieces as tokens arrive, the finish reason, then usage when
         `stream_options.include_usage` asks. The request is checked before the first chunk, so a bad
         one fails before anything is sent."""
+        started = time.perf_counter()
         engine_request = await self.to_engine_request(request)
         if self._planned(request):  # a planned answer is assembled from its nodes, then sent whole
-            response = self._planned_response(request, engine_request,
-                                              await self._plan_and_answer(request, engine_request))
+            answer = await self._plan_and_answer(request, engine_request)
+            self._observe(answer.mode, True, answer.fallback is not None, started)
+            if self.observer is not None:
+                self.observer.first_token(time.perf_counter() - started)
+            response = self._planned_response(request, engine_request, answer)
             chunk = ChatCompletionChunk(model=self.model_name, choices=[], mode=response.mode)
             yield chunk.model_copy(update={"choices": [ChunkChoice(delta={"role": "assistant"})]}).model_dump()
             yield chunk.piece(response.choices[0].message.content)
@@ -175,12 +190,17 @@ class CompletionService:
         else:
             chunk = ChatCompletionChunk(model=self.model_name, choices=[], mode=PLAIN_MODE)
             yield chunk.model_copy(update={"choices": [ChunkChoice(delta={"role": "assistant"})]}).model_dump()
+        first = True
         async for item in self.engine.stream(engine_request):
             if isinstance(item, Result):
+                self._observe(PLAIN_MODE, False, False, started)
                 yield chunk.piece("", _finish(item))
                 if request.include_usage:
                     yield chunk.model_copy(update={"choices": [], "usage": _usage(item)}).model_dump()
             elif item.text:
+                if first and self.observer is not None:
+                    self.observer.first_token(time.perf_counter() - started)
+                first = False
                 yield chunk.piece(item.text)
 
     async def info(self) -> dict:

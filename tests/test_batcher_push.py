@@ -113,3 +113,32 @@ def test_predictions_are_asked_for_and_a_failing_predictor_means_the_default_bin
     stats = run(main())
     assert len(asked) == 2 and stats["predictions"] == 1 and stats["prediction_failures"] == 1
     assert stats["default_bin_uses"] == 1
+
+
+def test_the_observer_hears_of_batches_queues_lengths_and_requeues():
+    class Recorder:
+        def __init__(self):
+            self.batches, self.depths, self.lengths, self.requeues = [], [], [], 0
+
+        def batch(self, size, tokens):
+            self.batches.append((size, tokens))
+
+        def queues(self, depths):
+            self.depths.append(list(depths))
+
+        def finished(self, predicted, actual):
+            self.lengths.append((predicted, actual))
+
+        def requeue(self):
+            self.requeues += 1
+
+    recorder = Recorder()
+
+    async def main():
+        actor = BatcherActor({"bins": {"edges": [4, 64]}}, send_batch=FakeDecoder(), observer=recorder)
+        await asyncio.gather(*(actor.submit(request(rid)) for rid in ("r0", "r1")))
+
+    run(main())
+    assert sorted(recorder.lengths) == [(3, 2), (3, 7)]  # r0 is 2 tokens long, r1 7: predicted 3 for both
+    assert recorder.requeues == 1  # r1 overran the 4-token bin once
+    assert sum(size for size, _ in recorder.batches) == 3 and all(len(d) == 2 for d in recorder.depths)
