@@ -119,6 +119,8 @@ class CompletionService:
             temperature=request.temperature,
             top_p=request.top_p,
             seed=request.seed,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
             stop=request.stop,
             stop_on_loop=self.limits.stop_on_loop,
         )

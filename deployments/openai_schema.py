@@ -51,6 +51,8 @@ class _RequestFields(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = Field(None, validate_default=True, description="Up to 4 strings that end the answer.")
     n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
     stream: bool = Field(False, description="Answer as server-sent events, tokens as they are decoded.")

@@ -189,7 +189,8 @@ class LLMEngine(Engine):
     def _accept(self, batch: list[_Sequence], logits: torch.Tensor) -> None:
         """Append one sampled token to each sequence and decide whether it is done."""
         masks = [s.constraint.allowed() if s.constraint is not None else None for s in batch]
-        chosen = sample(logits, [s.request.params for s in batch], [s.generator for s in batch], masks)
+        chosen = sample(logits, [s.request.params for s in batch], [s.generator for s in batch], masks,
+                        [s.generated for s in batch])
         now = time.perf_counter()
         for sequence, token in zip(batch, chosen):
             if sequence.finish is not None:

@@ -35,11 +35,15 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     masks: list[torch.Tensor | None] | None = None,
+    histories: list[list[int]] | None = None,
 ) -> list[int]:
     """logits: float32 [batch, vocab] on any device. Greedy rows take the argmax. `masks`, where
     given, holds per row None or a bool mask of the tokens a constraint allows (see
-    `engine.constraints`); disallowed tokens get no probability, greedy or sampled."""
+    `engine.constraints`); disallowed tokens get no probability, greedy or sampled. `histories`
+    holds each row's generated tokens, for presence and frequency penalties."""
     logits = logits.cpu()
+    if histories is not None and any(p.presence_penalty or p.frequency_penalty for p in params):
+        logits = _apply_penalties(logits, params, histories)
     if masks is not None and any(m is not None for m in masks):
         logits = _apply_masks(logits, masks)
     chosen = logits.argmax(dim=-1).tolist()
@@ -47,6 +51,16 @@ def sample(
         if not p.greedy:
             chosen[row] = _sample_one(logits[row], p, g)
     return chosen
+
+
+def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]]) -> torch.Tensor:
+    logits = logits.clone()
+    width = logits.shape[-1]
+    for row, (p, history) in enumerate(zip(params, histories)):
+        if history and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(history), minlength=width)[:width].to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def _apply_masks(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:

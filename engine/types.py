@@ -16,6 +16,10 @@ class SamplingParams(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="Softmax temperature; 0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     seed: int | None = Field(None, description="Seed for sampling: the same seed gives the same output.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token "
+                                    "the answer already contains (OpenAI's semantics).")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once for "
+                                     "each time the answer already contains it (OpenAI's semantics).")
     stop: list[str] = Field(default_factory=list, description="Strings that end the answer (not included).")
     ignore_eos: bool = Field(False, description="Keep going past end-of-sequence (benchmarks).")
     length_cap: int | None = Field(

@@ -78,6 +78,9 @@ class AnswerConfig(BaseModel):
         "(also used when the model's tokenizer cannot express the constraint).")
     deadline_s: float | None = Field(None, gt=0, description="Unfinished nodes fail after this many seconds.")
     stop_on_loop: bool = Field(True, description="End an answer or node once it repeats itself verbatim.")
+    plan_presence_penalty: float = Field(
+        0.0, ge=0.0, le=2.0, description="Presence penalty while the plan or outline is written: small models "
+        "repeat a sub-question, and a repeated line is dropped by repair, sometimes leaving too few nodes.")
 
 
 class Answer(BaseModel):
@@ -124,7 +127,8 @@ class Orchestrator:
 
     async def _sot(self, question: str) -> Answer:
         ids = await self.client.encode_chat(sot_skeleton_messages(question))
-        params = SamplingParams(max_tokens=self.config.plan_max_tokens, stop=[PLAN_END])
+        params = SamplingParams(max_tokens=self.config.plan_max_tokens, stop=[PLAN_END],
+                                presence_penalty=self.config.plan_presence_penalty)
         skeleton = await self.client.generate(GenerationRequest(prompt_ids=ids, params=params))
         outline = parse_plan(question, skeleton.text, truncated=skeleton.finish_reason is FinishReason.LENGTH)
         points = [node.text for node in outline.nodes][: self.config.max_nodes]
@@ -182,7 +186,8 @@ class _PlatoRun:
         started = time.perf_counter()
         ids = await self.client.encode_chat(plan_messages(self.question, self.config.max_nodes))
         params = SamplingParams(max_tokens=self.config.plan_max_tokens, stop=[PLAN_END],
-                                constraint=self.config.plan_constraint)
+                                constraint=self.config.plan_constraint,
+                                presence_penalty=self.config.plan_presence_penalty)
         parser, result = StreamingPlanParser(), None
         try:
             stream = self.client.stream(GenerationRequest(prompt_ids=ids, params=params))
