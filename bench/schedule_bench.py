@@ -1,0 +1,222 @@
+"""`python -m bench schedule`: length-aware scheduling (Zheng et al., 2023) against first come first
+served and against continuous batching, on one workload, in one run.
+
+The workload: `-n` requests (default 1024; --quick 32) drawn with a fixed seed, with replacement
+when there are fewer, from the held-out (`val`) prompts of the length labels, all arriving at t=0
+(offline throughput, as in the paper); greedy, the labels' max_tokens and loop stop, so with this
+batch-invariant engine a request's true length is its label (the run reports how often it is).
+Policies (bench/schedule_policies.py says how each is run and counted):
+
+- `vanilla`: batches of 16 in arrival order, each a padded batch run to its longest answer;
+- `predicted`: the same batches of 16, taken from length bins of the predicted length;
+- `predicted+vbs+fcr`: bins, batches sized to the KV tokens a vanilla batch of 16 reserves
+  (variable batch size), answers capped at their bin's edge and resumed a bin up (failure
+  collection and recomputation);
+- `oracle`: the same with the true lengths as predictions: the ceiling;
+- `continuous`: this engine's continuous batching, 16 slots, arrival order (the modern baseline);
+- `continuous+predicted`: the same, admitting the shortest predicted first.
+
+Predictions come from the trained adapter (`--adapter`); their time counts against the policies
+that use them. Writes bench/results/schedule.json and schedule.png.
+"""
+from __future__ import annotations
+
+import argparse
+import operator
+import random
+import statistics
+from pathlib import Path
+
+from bench.common import RESULTS, machine, table, write_result
+from bench.schedule_policies import Job, PolicyRun, run_binned, run_continuous, summarize
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.loader import load_hf_model, resolve_model_dir, select_device_and_dtype
+from engine.types import GenerationRequest, SamplingParams
+from predictor.batcher import BatcherConfig
+from predictor.bins import LengthBins
+from predictor.labels import DEFAULT_OUT as DEFAULT_LABELS
+from predictor.labels import read_labels
+from predictor.metrics import length_metrics
+from predictor.predict import DEFAULT_ADAPTER, LengthPredictor, PredictorConfig
+from predictor.prompt import MAX_PROMPT_TOKENS
+
+EDGES = [32, 64, 128, 256]
+VANILLA_BATCH = 16
+VBS_MAX_BATCH = 64
+HEADLINE = "predicted+vbs+fcr"
+TARGETS = {  # key: (comparison, target), from the issue; 1.86 is the paper's figure
+    "speedup_vs_vanilla": (operator.ge, 1.86),
+    "effective_token_ratio": (operator.ge, 0.6),
+    "recompute_ratio": (operator.le, 0.1),
+    "latency_vs_continuous": (operator.le, 0.8),
+}
+CHART = [("samples_per_s", "samples/s"), ("tokens_per_s", "answer tokens/s"),
+         ("effective_token_ratio", "useful share of computed answer tokens"),
+         ("recompute_ratio", "recomputed share of computed tokens"),
+         ("latency_mean_s", "mean request latency (s)"), ("latency_p99_s", "p99 request latency (s)")]
+
+
+def draw_workload(rows: list[dict], n: int, seed: int) -> list[dict]:
+    """`n` held-out rows, seeded; drawn with replacement only when there are fewer than `n`."""
+    held_out = [r for r in rows if r["split"] == "val"]
+    if not held_out:
+        raise ValueError("labels: no rows in the val split to draw the workload from")
+    rng = random.Random(seed)
+    return rng.sample(held_out, n) if n <= len(held_out) else [rng.choice(held_out) for _ in range(n)]
+
+
+def prompt_ids(engine: LLMEngine, prompt: str) -> list[int]:
+    """The prompt as the labels decoded it: cut to MAX_PROMPT_TOKENS, in the chat template."""
+    text = engine.tokenizer.decode(engine.encode(prompt)[:MAX_PROMPT_TOKENS])
+    return engine.encode_chat([{"role": "user", "content": text}])
+
+
+def policy_configs(edges: list[int], max_tokens: int, token_budget: int) -> dict[str, BatcherConfig]:
+    fixed = {"variable_batch_size": False, "failure_recompute": False, "max_batch_size": VANILLA_BATCH}
+    bins = LengthBins(edges=[e for e in edges if e < max_tokens] + [max_tokens])
+    vbs = BatcherConfig(bins=bins, token_budget=token_budget, max_batch_size=VBS_MAX_BATCH,
+                        variable_batch_size=True, failure_recompute=True)
+    return {
+        "vanilla": BatcherConfig(bins=LengthBins(edges=[max_tokens]), **fixed),  # one bin: arrival order
+        "predicted": BatcherConfig(bins=bins, **fixed),
+        HEADLINE: vbs,
+        "oracle": vbs,
+    }
+
+
+def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: list[Job], params: SamplingParams,
+                 edges: list[int], prediction_s: float) -> dict[str, PolicyRun]:
+    """Every policy on the same jobs; static batches on `static_engine` (slots for the largest
+    variable-size batch), continuous batching on `continuous_engine` (VANILLA_BATCH slots)."""
+    predicted, labels = [j.predicted for j in jobs], [j.label for j in jobs]
+    budget = round(VANILLA_BATCH * (statistics.mean(len(j.prompt_ids) for j in jobs) + params.max_tokens))
+    configs = policy_configs(edges, params.max_tokens, budget)
+    runs = {}
+    for name, lengths in (("continuous", None), ("vanilla", None), ("predicted", predicted), (HEADLINE, predicted),
+                          ("oracle", labels), ("continuous+predicted", predicted)):
+        if name.startswith("continuous"):
+            runs[name] = run_continuous(continuous_engine, jobs, params, lengths)
+        else:
+            runs[name] = run_binned(static_engine, jobs, params, configs[name], lengths)
+        if lengths is predicted:
+            runs[name].prediction_s = prediction_s
+        print(f"{name}: {runs[name].wall_s:.1f} s", flush=True)
+    return runs
+
+
+def compare(runs: dict[str, PolicyRun], jobs: list[Job]) -> dict:
+    """The issue's keys, from the measured runs, plus how far the answers agree."""
+    s = {name: summarize(run) for name, run in runs.items()}
+    reference = runs["continuous"].answers
+    head, vanilla = s[HEADLINE], s["vanilla"]
+    out = {
+        "speedup_vs_vanilla": head["samples_per_s"] / vanilla["samples_per_s"],
+        "effective_token_ratio": head["effective_token_ratio"],
+        "recompute_ratio": head["recompute_ratio"],
+        "latency_vs_continuous": s["continuous+predicted"]["latency_mean_s"] / s["continuous"]["latency_mean_s"],
+        "samples_per_s_vs_vanilla": {name: v["samples_per_s"] / vanilla["samples_per_s"] for name, v in s.items()},
+        "prediction_share": head["prediction_s"] / head["wall_s"],
+        "label_agreement": statistics.mean(len(reference[j.id]) == j.label for j in jobs),
+        "same_answers_as_continuous": {
+            name: statistics.mean(run.answers.get(j.id) == reference[j.id] for j in jobs) for name, run in runs.items()
+        },
+        "policies": s,
+    }
+    out["targets"] = {key: target for key, (_, target) in TARGETS.items()}
+    out["targets_met"] = {key: bool(op(out[key], target)) for key, (op, target) in TARGETS.items()}
+    return out
+
+
+def rounded(value, digits: int = 4):
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v, digits) for v in value]
+    return value
+
+
+def _chart(policies: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(policies)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    for ax, (key, title) in zip(axes.flat, CHART):
+        ax.bar(names, [policies[n][key] for n in names], color=["tab:gray" if "continuous" in n else "tab:blue"
+                                                                for n in names])
+        ax.set_title(title)
+        plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.suptitle(f"{next(iter(policies.values()))['requests']} requests, all arriving at t=0")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench schedule", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="32 requests")
+    parser.add_argument("-n", type=int, default=None, help="requests in the workload (default 1024)")
+    parser.add_argument("--labels", type=Path, default=DEFAULT_LABELS, help="folder of the label parts")
+    parser.add_argument("--adapter", type=Path, default=DEFAULT_ADAPTER, help="trained length adapter")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not (args.adapter / "settings.json").exists():
+        raise SystemExit(f"--adapter: no trained length adapter in {args.adapter}; train one with "
+                         f"python -m predictor.train, or pass --adapter FOLDER")
+    n = args.n or (32 if args.quick else 1024)
+    chosen = draw_workload(read_labels(args.labels), n, args.seed)
+    max_tokens = max(r["max_tokens"] for r in chosen)
+    if any(r["max_tokens"] != max_tokens for r in chosen):
+        raise SystemExit("labels: rows made with different max_tokens; the workload needs one")
+    params = SamplingParams(max_tokens=max_tokens, stop_on_loop=True)
+
+    config = EngineConfig(max_batch_size=VANILLA_BATCH, max_model_len=1024)  # as the labels were made
+    device, dtype = select_device_and_dtype(config)
+    hf_model, tokenizer = load_hf_model(resolve_model_dir(config.model), dtype, device)
+    continuous = LLMEngine(hf_model, tokenizer, config)
+    ids = [prompt_ids(continuous, r["prompt"]) for r in chosen]
+    static = LLMEngine(hf_model, tokenizer, config.model_copy(update={
+        "max_batch_size": VBS_MAX_BATCH, "max_model_len": max(map(len, ids)) + 2 * max_tokens + 1,
+        "max_prefill_tokens": VBS_MAX_BATCH * (max(map(len, ids)) + max_tokens)}))
+    for engine in (continuous, static):  # first calls allocate and pick kernels
+        engine.generate([GenerationRequest(prompt_ids=ids[0], params=SamplingParams(max_tokens=4))])
+
+    predictor = LengthPredictor(hf_model, tokenizer, PredictorConfig(adapter=str(args.adapter)))
+    predictions = predictor.predict([r["prompt"] for r in chosen])
+    jobs = [Job(id=f"r{i:05d}", prompt_ids=p, label=r["label"], predicted=q)
+            for i, (r, p, q) in enumerate(zip(chosen, ids, predictions))]
+    runs = run_policies(static, continuous, jobs, params, EDGES, predictor.seconds)
+
+    result = compare(runs, jobs)
+    policies = result.pop("policies")
+    result = {
+        **result,
+        "workload": {"requests": n, "distinct_prompts": len({r["id"] for r in chosen}), "seed": args.seed,
+                     "labels": str(args.labels), "max_tokens": max_tokens, "edges": EDGES,
+                     "vanilla_batch": VANILLA_BATCH, "vbs_max_batch": VBS_MAX_BATCH,
+                     "label_mean": statistics.mean(j.label for j in jobs),
+                     "prompt_tokens_mean": statistics.mean(map(len, ids)),
+                     "prompt_tokens_differ_from_labels": sum(len(p) != r["prompt_tokens"] for p, r in zip(ids, chosen))},
+        "predictor": {"adapter": str(args.adapter), "seconds": predictor.seconds,
+                      **length_metrics(predictions, [j.label for j in jobs], EDGES)},
+        "policies": policies,
+        "requests": [{"id": r["id"], "label": j.label, "predicted": j.predicted,
+                      "actual": len(runs["continuous"].answers[j.id])} for r, j in zip(chosen, jobs)],
+        "quick": args.quick,
+        "machine": machine(),
+    }
+    result = rounded(result)
+    path = write_result("schedule", result)
+    _chart(policies, RESULTS / "schedule.png")
+    print(table(["policy", "samples/s", "tok/s", "useful", "recomputed", "latency mean s", "p99 s", "vs vanilla"],
+                [[name, f"{p['samples_per_s']:.3f}", f"{p['tokens_per_s']:.1f}", f"{p['effective_token_ratio']:.0%}",
+                  f"{p['recompute_ratio']:.1%}", f"{p['latency_mean_s']:.1f}", f"{p['latency_p99_s']:.1f}",
+                  f"{result['samples_per_s_vs_vanilla'][name]:.2f}x"] for name, p in policies.items()]))
+    print({k: result[k] for k in (*TARGETS, "prediction_share", "label_agreement", "targets_met")})
+    print(f"wrote {path}")
+    return result

@@ -1,0 +1,204 @@
+"""How `python -m bench schedule` serves one workload under each policy, and what it counts.
+
+Static batches (the paper's setting: `vanilla`, `predicted`, `predicted+vbs+fcr`, `oracle`). A
+micro-batch is one padded batch: it is done when its last member is done, and until then every row
+keeps computing, a finished member's row decoding padding, as in a padded `generate` call. This
+engine frees a finished row at once, so `run_static` decodes every row with `ignore_eos` (and no
+loop stop) and applies each member's own stop rules here, in the engine's order: the end token,
+max_tokens, a loop; then the bin's cap. When every member is done, the rows still running are
+aborted. Greedy decoding is batch-invariant here, so a member's tokens up to its stop are exactly
+the tokens it gets decoded alone.
+
+The cap: a bin with upper edge E holds answers of up to E tokens, so an answer is cut only when
+it has E + 1 tokens and none of them stopped it (an answer of exactly E tokens must sample its end
+token first). The cut keeps all its tokens; the batcher re-queues it a bin up, where it resumes
+after them (its prompt and kept tokens are prefilled again: that is the recompute).
+
+Continuous (`continuous`, `continuous+predicted`): every request is added to one engine at t=0
+and the engine's own continuous batching serves them, in arrival order or by priority.
+
+Counted per policy: `decode_tokens`, the answer positions computed (rows x steps, padding and each
+sampled end token included); `prefill_tokens`, the prompt (and resumed) tokens prefilled;
+`recompute_tokens`, those prefilled again on resume; and each request's final answer and the
+seconds from t=0 to its return (a static batch returns its members when it is done).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from engine.engine import LLMEngine
+from engine.loops import LoopDetector
+from engine.types import FinishReason, GenerationRequest, Result, SamplingParams
+from predictor.batcher import Batcher, BatcherConfig
+
+
+@dataclass
+class Job:
+    """One request of the workload."""
+
+    id: str
+    prompt_ids: list[int]
+    label: int  # its true answer length in tokens
+    predicted: int | None = None
+
+
+@dataclass
+class PolicyRun:
+    """What one policy did with the workload."""
+
+    answers: dict[str, list[int]] = field(default_factory=dict)
+    latency_s: dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0
+    prediction_s: float = 0.0  # spent predicting lengths before scheduling began
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    recompute_tokens: int = 0
+    batch_sizes: list[int] = field(default_factory=list)  # of the static micro-batches
+
+    def finish(self, request_id: str, token_ids: list[int], at_s: float) -> None:
+        if request_id in self.answers:
+            raise RuntimeError(f"request {request_id} was answered twice")
+        self.answers[request_id] = list(token_ids)
+        self.latency_s[request_id] = at_s
+
+
+class _Member:
+    """One row of a static batch: its tokens so far and whether its own stop rules ended it."""
+
+    def __init__(self, request: GenerationRequest, stop_ids: set[int]):
+        self.request, self.stop_ids = request, stop_ids
+        self.tokens = list(request.resume_ids)
+        self.loops = LoopDetector() if request.params.stop_on_loop else None
+        for token in self.tokens if self.loops else ():  # as the engine does on resume
+            self.loops.add(token)
+        self.finish: FinishReason | None = None
+        self.sampled = 0  # answer positions computed for this member until it was done
+
+    def add(self, token: int) -> None:
+        if self.finish is not None:
+            return
+        self.sampled += 1
+        params, cap = self.request.params, self.request.params.length_cap
+        if token in self.stop_ids:
+            self.finish = FinishReason.STOP
+            return
+        self.tokens.append(token)
+        if len(self.tokens) >= params.max_tokens:
+            self.finish = FinishReason.LENGTH
+        elif self.loops is not None and self.loops.add(token):
+            self.finish = FinishReason.STOP
+        elif cap is not None and len(self.tokens) > cap:
+            self.finish = FinishReason.CUT
+
+    def result(self, tokenizer, latency_s: float) -> Result:
+        return Result(request_id=self.request.id, prompt_tokens=len(self.request.prompt_ids),
+                      token_ids=self.tokens, text=tokenizer.decode(self.tokens), finish_reason=self.finish,
+                      ttft_s=0.0, latency_s=latency_s)
+
+
+def run_static(engine: LLMEngine, requests: list[GenerationRequest]) -> tuple[list[Result], int]:
+    """Decode one micro-batch as a padded batch (see the module docstring); returns the members'
+    results in request order (CUT for a member that overran its cap) and the answer positions the
+    batch computed."""
+    started = time.perf_counter()
+    members = {r.id: _Member(r, engine.stop_token_ids) for r in requests}
+    for r in requests:  # every row may pad for as many steps as a fresh row could decode
+        padded = r.params.model_copy(update={"ignore_eos": True, "stop_on_loop": False, "length_cap": None,
+                                             "max_tokens": len(r.resume_ids) + r.params.max_tokens})
+        engine.add(r.model_copy(update={"params": padded}))
+    computed = 0
+    while any(m.finish is None for m in members.values()):
+        if not engine.has_work():
+            raise RuntimeError("the engine stopped before every member of the batch was done")
+        for event in engine.step():
+            computed += len(event.token_ids)
+            for token in event.token_ids:
+                members[event.request_id].add(token)
+    for r in requests:
+        engine.abort(r.id)
+        engine.pop_result(r.id)
+    latency = time.perf_counter() - started
+    return [members[r.id].result(engine.tokenizer, latency) for r in requests], computed
+
+
+def run_binned(engine: LLMEngine, jobs: list[Job], params: SamplingParams, config: BatcherConfig,
+               lengths: list[int] | None) -> PolicyRun:
+    """Every job submitted at t=0 to a `Batcher` (predicted_len from `lengths`, or none: all in the
+    default bin), its micro-batches decoded one after another with `run_static`."""
+    run, batcher = PolicyRun(), Batcher(config)
+    for i, job in enumerate(jobs):
+        predicted = None if lengths is None else lengths[i]
+        batcher.submit(GenerationRequest(id=job.id, prompt_ids=job.prompt_ids, params=params,
+                                         predicted_len=predicted), now=0.0)
+    prefilled = engine.stats()["prefill_tokens"]
+    started = time.perf_counter()
+    clock = lambda: time.perf_counter() - started  # noqa: E731
+    while (batch := batcher.next_batch(clock())) is not None:
+        results, computed = run_static(engine, batch.requests)
+        run.decode_tokens += computed
+        run.batch_sizes.append(len(batch.requests))
+        for result in batcher.report(batch.id, results):
+            run.finish(result.request_id, result.token_ids, clock())
+    run.wall_s = clock()
+    run.prefill_tokens = engine.stats()["prefill_tokens"] - prefilled
+    run.recompute_tokens = batcher.stats()["recompute_tokens"]
+    return run
+
+
+def run_continuous(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
+                   lengths: list[int] | None) -> PolicyRun:
+    """Every job added to the engine at t=0; with `lengths`, the shortest predicted is admitted first."""
+    run = PolicyRun()
+    prefilled = engine.stats()["prefill_tokens"]
+    started = time.perf_counter()
+    members = {}
+    for i, job in enumerate(jobs):
+        request = GenerationRequest(id=job.id, prompt_ids=job.prompt_ids, params=params,
+                                    priority=0 if lengths is None else -lengths[i])
+        members[job.id] = _Member(request, engine.stop_token_ids)
+        engine.add(request)
+    while engine.has_work():
+        for event in engine.step():
+            member = members[event.request_id]
+            for token in event.token_ids:
+                member.add(token)
+            if event.finish_reason is None:
+                continue
+            if event.finish_reason == FinishReason.STOP and member.finish is None:
+                member.sampled += 1  # the end token: sampled, not kept
+            result = engine.pop_result(event.request_id)
+            run.finish(event.request_id, result.token_ids, time.perf_counter() - started)
+    run.wall_s = time.perf_counter() - started
+    run.decode_tokens = sum(m.sampled for m in members.values())
+    run.prefill_tokens = engine.stats()["prefill_tokens"] - prefilled
+    return run
+
+
+def summarize(run: PolicyRun) -> dict:
+    """Throughput, token shares and latency of one run. Prediction time counts against the policy:
+    it is added to the wall time and to every request's latency (all are predicted before any is
+    scheduled)."""
+    n = len(run.answers)
+    wall = run.wall_s + run.prediction_s
+    latencies = sorted(t + run.prediction_s for t in run.latency_s.values())
+    useful = sum(len(a) for a in run.answers.values())
+    return {
+        "requests": n,
+        "wall_s": wall,
+        "prediction_s": run.prediction_s,
+        "samples_per_s": n / wall,
+        "tokens_per_s": useful / wall,
+        "useful_tokens": useful,
+        "decode_tokens": run.decode_tokens,
+        "prefill_tokens": run.prefill_tokens,
+        "recompute_tokens": run.recompute_tokens,
+        "effective_token_ratio": useful / run.decode_tokens,
+        "recompute_ratio": run.recompute_tokens / (run.decode_tokens + run.prefill_tokens),
+        "latency_mean_s": statistics.mean(latencies),
+        "latency_p99_s": latencies[math.ceil(0.99 * n) - 1],
+        "batches": len(run.batch_sizes) or None,  # None: continuous batching has no batches
+        "mean_batch_size": statistics.mean(run.batch_sizes) if run.batch_sizes else None,
+    }

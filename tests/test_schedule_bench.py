@@ -1,0 +1,173 @@
+"""The scheduling benchmark's policies and counts, on the tiny random model with stand-in labels and
+predictions: every policy gives every request its one greedy answer, padded batches cost rows x
+steps, caps cut only overruns and the recompute is counted, and the reported ratios are the measured
+ones."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from bench.schedule_bench import HEADLINE, compare, draw_workload, policy_configs, run, run_policies
+from bench.schedule_policies import Job, run_continuous, run_static, summarize
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.types import FinishReason, GenerationRequest, SamplingParams
+from predictor.bins import LengthBins
+
+MAX_TOKENS = 40
+EDGES = [8, 16, 32]
+STOP_IDS = set(range(6, 20))  # the tiny model never picks its EOS: these end answers at varied lengths
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, stop_on_loop=True)
+PREDICTION_S = 0.25
+
+
+def engine(tiny_model, tiny_tokenizer, **config) -> LLMEngine:
+    built = LLMEngine(tiny_model, tiny_tokenizer, EngineConfig(max_model_len=256, **config))
+    built.stop_token_ids = STOP_IDS
+    return built
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_model, tiny_tokenizer):
+    """40 jobs labelled by decoding them on their own engine; a third under-predicted (to be cut),
+    the rest over-predicted; then every policy run once."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(20, 256) for _ in range(rng.randrange(3, 20))] for _ in range(40)]
+    reference = engine(tiny_model, tiny_tokenizer, max_batch_size=16).generate(
+        [GenerationRequest(id=f"j{i}", prompt_ids=p, params=PARAMS) for i, p in enumerate(prompts)])
+    jobs = [Job(id=r.request_id, prompt_ids=p, label=r.completion_tokens,
+                predicted=max(1, r.completion_tokens // 3) if i % 3 == 0 else r.completion_tokens + 3)
+            for i, (p, r) in enumerate(zip(prompts, reference))]
+    static = engine(tiny_model, tiny_tokenizer, max_batch_size=64, max_prefill_tokens=8192)
+    continuous = engine(tiny_model, tiny_tokenizer, max_batch_size=16)
+    runs = run_policies(static, continuous, jobs, PARAMS, EDGES, PREDICTION_S)
+    torch.set_num_threads(threads)
+    return jobs, {r.request_id: r for r in reference}, runs
+
+
+def test_lengths_vary_and_some_answers_overrun_their_prediction(workload):
+    jobs, reference, _ = workload
+    assert len({j.label for j in jobs}) > 10 and any(j.label == MAX_TOKENS for j in jobs)
+    assert sum(LengthBins(edges=EDGES + [MAX_TOKENS]).bin_of(j.predicted) <
+               LengthBins(edges=EDGES + [MAX_TOKENS]).bin_of(j.label) for j in jobs) >= 5
+
+
+def test_every_policy_answers_every_request_once_with_its_greedy_answer(workload):
+    jobs, reference, runs = workload
+    assert list(runs) == ["continuous", "vanilla", "predicted", HEADLINE, "oracle", "continuous+predicted"]
+    for name, policy in runs.items():
+        assert sorted(policy.answers) == sorted(j.id for j in jobs), name
+        assert all(policy.answers[j.id] == reference[j.id].token_ids for j in jobs), name
+        assert set(policy.latency_s) == set(policy.answers) and policy.wall_s > 0
+
+
+def _sampled(result) -> int:
+    """Answer positions a request needs: its tokens, plus the end token it sampled if it stopped."""
+    return result.completion_tokens + (result.finish_reason == FinishReason.STOP)
+
+
+def test_vanilla_runs_batches_of_16_in_arrival_order_each_padded_to_its_longest(workload):
+    jobs, reference, runs = workload
+    vanilla = runs["vanilla"]
+    chunks = [jobs[i : i + 16] for i in range(0, len(jobs), 16)]
+    assert vanilla.batch_sizes == [16, 16, 8]
+    assert vanilla.decode_tokens == sum(len(c) * max(_sampled(reference[j.id]) for j in c) for c in chunks)
+    assert vanilla.recompute_tokens == 0
+    finished_in_order = sorted(vanilla.latency_s, key=vanilla.latency_s.get)
+    assert set(finished_in_order[:16]) == {j.id for j in chunks[0]}
+
+
+def test_continuous_computes_only_what_the_answers_need(workload):
+    jobs, reference, runs = workload
+    assert runs["continuous"].decode_tokens == sum(_sampled(reference[j.id]) for j in jobs)
+    assert runs["continuous"].prefill_tokens == sum(len(j.prompt_ids) for j in jobs)
+
+
+def test_oracle_never_recomputes_and_each_cut_is_counted_once_per_resume(workload):
+    jobs, _, runs = workload
+    assert runs["oracle"].recompute_tokens == 0 and runs["predicted"].recompute_tokens == 0
+    bins = LengthBins(edges=EDGES + [MAX_TOKENS])
+    expected = 0
+    for job in jobs:  # cut at each cap below the answer's length, keeping cap + 1 tokens, resumed a bin up
+        b = bins.bin_of(job.predicted)
+        while bins.cap(b) < job.label and bins.cap(b) < MAX_TOKENS:
+            expected += len(job.prompt_ids) + bins.cap(b) + 1
+            b = bins.next_bin(b)
+    fcr = runs[HEADLINE]
+    assert expected > 0 and fcr.recompute_tokens == expected
+    assert fcr.prefill_tokens == sum(len(j.prompt_ids) for j in jobs) + expected
+
+
+def test_binned_policies_batch_by_predicted_bin_and_vbs_packs_short_bins_larger(workload):
+    _, _, runs = workload
+    assert max(runs["predicted"].batch_sizes) <= 16
+    assert max(runs[HEADLINE].batch_sizes) > 16  # the budget of 16 full-length requests fits more short ones
+
+
+def test_the_cap_cuts_only_an_answer_longer_than_it(tiny_model, tiny_tokenizer, workload):
+    jobs, reference, _ = workload
+    job = next(j for j in jobs if 5 < j.label < MAX_TOKENS)
+    static = engine(tiny_model, tiny_tokenizer, max_batch_size=4)
+    request = lambda rid, cap: GenerationRequest(  # noqa: E731
+        id=rid, prompt_ids=job.prompt_ids, params=PARAMS.model_copy(update={"length_cap": cap}))
+    (exact, over), computed = run_static(static, [request("exact", job.label), request("over", job.label - 1)])
+    assert exact.finish_reason == FinishReason.STOP and exact.token_ids == reference[job.id].token_ids
+    assert over.finish_reason == FinishReason.CUT and over.token_ids == reference[job.id].token_ids
+    assert computed == 2 * (job.label + 1)  # both rows pad until the last member sampled its end token
+    assert not static.has_work()
+
+
+def test_continuous_predicted_admits_the_shortest_predicted_first(tiny_model, tiny_tokenizer, workload):
+    jobs, _, _ = workload
+    distinct = list({j.label: j for j in jobs}.values())[:6]
+    two_slots = engine(tiny_model, tiny_tokenizer, max_batch_size=2)
+    policy = run_continuous(two_slots, distinct, PARAMS, [j.label for j in distinct])
+    first_two = sorted(policy.latency_s, key=policy.latency_s.get)[:2]
+    assert set(first_two) == {j.id for j in sorted(distinct, key=lambda j: j.label)[:2]}
+
+
+def test_reported_ratios_are_the_measured_ones(workload):
+    jobs, _, runs = workload
+    result = compare(runs, jobs)
+    s = {name: summarize(policy) for name, policy in runs.items()}
+    head = runs[HEADLINE]
+    useful = sum(len(a) for a in head.answers.values())
+    assert result["effective_token_ratio"] == useful / head.decode_tokens
+    assert result["recompute_ratio"] == head.recompute_tokens / (head.decode_tokens + head.prefill_tokens)
+    assert result["speedup_vs_vanilla"] == (len(jobs) / (head.wall_s + PREDICTION_S)) / (len(jobs) / runs["vanilla"].wall_s)
+    assert result["latency_vs_continuous"] == s["continuous+predicted"]["latency_mean_s"] / s["continuous"]["latency_mean_s"]
+    assert s["continuous+predicted"]["latency_mean_s"] == pytest.approx(
+        sum(runs["continuous+predicted"].latency_s.values()) / len(jobs) + PREDICTION_S)
+    assert result["label_agreement"] == 1.0 and set(result["same_answers_as_continuous"].values()) == {1.0}
+    assert set(result["targets_met"]) == {"speedup_vs_vanilla", "effective_token_ratio", "recompute_ratio",
+                                          "latency_vs_continuous"}
+    for summary in s.values():
+        assert {"samples_per_s", "tokens_per_s", "effective_token_ratio", "recompute_ratio", "latency_mean_s",
+                "latency_p99_s"} <= set(summary)
+
+
+def test_vanilla_is_one_bin_of_fixed_batches_and_oracle_shares_the_vbs_config():
+    configs = policy_configs([32, 64, 128, 256], 256, 10_000)
+    assert configs["vanilla"].bins.edges == [256] and not configs["vanilla"].failure_recompute
+    assert configs["predicted"].bins.edges == [32, 64, 128, 256] and not configs["predicted"].variable_batch_size
+    assert configs["oracle"] is configs[HEADLINE] and configs[HEADLINE].failure_recompute
+
+
+def test_workload_is_held_out_seeded_and_repeats_only_when_short():
+    rows = [{"id": str(i), "split": "val" if i % 4 == 0 else "train"} for i in range(40)]
+    few = draw_workload(rows, 5, seed=0)
+    assert all(r["split"] == "val" for r in few) and len({r["id"] for r in few}) == 5
+    assert few == draw_workload(rows, 5, seed=0) and few != draw_workload(rows, 5, seed=1)
+    many = draw_workload(rows, 25, seed=0)
+    assert len(many) == 25 and len({r["id"] for r in many}) <= 10
+    with pytest.raises(ValueError, match="val"):
+        draw_workload([{"id": "a", "split": "train"}], 3, seed=0)
+
+
+def test_a_missing_adapter_stops_the_bench_naming_the_option(tmp_path):
+    with pytest.raises(SystemExit, match="--adapter"):
+        run(["--adapter", str(tmp_path), "-n", "4"])
