@@ -150,7 +150,35 @@ def train(args: argparse.Namespace) -> dict:
                "settings": settings.model_dump(), "lr": args.lr, "batch": args.batch, "epochs": args.epochs,
                "seed": args.seed, "history": history}
     (args.out / "training.json").write_text(json.dumps(summary, indent=2))
+    write_card(args.out, summary)
     return summary
+
+
+def write_card(out: Path, summary: dict) -> None:
+    """The adapter's card (replaces the generic one peft writes): data, split, settings, metrics."""
+    last = summary["history"][-1]["val"] if summary["history"] else {}
+    s = summary["settings"]
+    lines = [
+        "# Length-prediction adapter", "",
+        f"LoRA (rank {s['rank']}, alpha {s['alpha']}, dropout {s['dropout']}) on the top {s['lora_layers']} decoder "
+        f"layers of `{summary['model']}` (all attention and MLP projections), plus a one-unit head on the last "
+        "token's final hidden state: predicted length = max_tokens x sigmoid(head). Input: the decoder's own chat "
+        "prompt followed by a fixed length question (predictor/prompt.py).", "",
+        "## Data", "",
+        f"`predictor/data/labels`: the serving model's own greedy answers (loop stop on, max_tokens "
+        f"{s['max_tokens']}), label = answer length in tokens. Split by a fixed hash of each prompt's id "
+        f"(predictor/labels.py): {summary['train_prompts']} train, {summary['val_prompts']} held out. "
+        "Prompts come from train_pool.jsonl and sharegpt4k.jsonl, never from the evaluation question sets.", "",
+        "## Training", "",
+        f"{summary['epochs']} epochs, batch {summary['batch']}, AdamW lr {summary['lr']}, L1 loss on tokens, seed "
+        f"{summary['seed']}; lower layers frozen and their outputs cached (python -m predictor.train).", "",
+        "## Held-out metrics (last epoch)", "",
+        "| MAE (tokens) | within 50 | within 100 | bin accuracy | under-predicted |", "|---|---|---|---|---|",
+        f"| {last.get('mae')} | {last.get('within_50')} | {last.get('within_100')} | {last.get('bin_accuracy')} | "
+        f"{last.get('under_rate')} |", "",
+        "Full comparison with the baselines: `python -m predictor.eval` (bench/results/predictor.json).", "",
+    ]
+    (out / "README.md").write_text("\n".join(lines))
 
 
 def _work_key(labels: Path, rows: list[dict], start: int) -> str:
