@@ -79,8 +79,10 @@ class AnswerConfig(BaseModel):
     deadline_s: float | None = Field(None, gt=0, description="Unfinished nodes fail after this many seconds.")
     stop_on_loop: bool = Field(True, description="End an answer or node once it repeats itself verbatim.")
     plan_presence_penalty: float = Field(
-        0.0, ge=0.0, le=2.0, description="Presence penalty while the plan or outline is written: small models "
-        "repeat a sub-question, and a repeated line is dropped by repair, sometimes leaving too few nodes.")
+        1.2, ge=0.0, le=2.0, description="Presence penalty while the plan or outline is written: small models "
+        "repeat a sub-question, and repair drops a repeated line, often leaving too few nodes. Measured on 24 "
+        "planning-routed Vicuna questions with the embedded model: valid plans 16/24 at 0, 23/24 at 0.6, "
+        "24/24 at 1.2 (mean nodes 2.25 -> 3.3).")
 
 
 class Answer(BaseModel):
