@@ -98,7 +98,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     actual = [r["label"] for r in val]
     hf_model, tokenizer = load_hf_model(resolve_model_dir(args.model), torch.float32, torch.device("cpu"))
     engine = LLMEngine(hf_model, tokenizer, EngineConfig(model=args.model, max_batch_size=16, max_model_len=1024))
-    report: dict = {"labels": str(args.labels), "val_prompts": len(val), "max_tokens": max_tokens, "edges": args.edges}
+    labels = args.labels.resolve()
+    shown = labels.relative_to(RESULTS.parents[2]) if labels.is_relative_to(RESULTS.parents[2]) else labels
+    report: dict = {"labels": str(shown), "val_prompts": len(val), "max_tokens": max_tokens, "edges": args.edges}
 
     print(f"baseline zero_shot on {len(val)} prompts", flush=True)
     guesses, failures = zero_shot(engine, [r["prompt"] for r in val], max_tokens)
