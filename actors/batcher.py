@@ -13,6 +13,7 @@ Everything crossing the boundary is plain data.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -21,6 +22,7 @@ from pydantic import BaseModel, Field
 from engine.types import FinishReason, GenerationRequest, Result
 from predictor.batcher import Batcher, BatcherConfig
 
+log = logging.getLogger(__name__)
 SendBatch = Callable[[dict], AsyncIterator[dict]]
 Predict = Callable[[list[int]], Awaitable[int]]
 
@@ -117,13 +119,21 @@ class BatcherActor:
     # ---- push: the actor's own loop feeds the decoders -----------------------------------------
     async def _push_loop(self) -> None:
         slots = asyncio.Semaphore(self.dispatch.max_batches_in_flight)
+        running: set[asyncio.Task] = set()  # held here: the event loop keeps only weak references
         while True:
             await slots.acquire()
-            batch = await self.next_batch(wait_s=1.0)
+            try:
+                batch = await self.next_batch(wait_s=1.0)
+            except Exception:  # never let one bad batch stop all dispatch
+                log.exception("batcher: forming a micro-batch failed")
+                batch = None
+                await asyncio.sleep(1.0)
             if batch is None:
                 slots.release()
                 continue
-            asyncio.create_task(self._run_remote(batch, slots))
+            task = asyncio.create_task(self._run_remote(batch, slots))
+            running.add(task)
+            task.add_done_callback(running.discard)
 
     async def _run_remote(self, batch: dict, slots: asyncio.Semaphore) -> None:
         results, refused = [], {}
