@@ -52,9 +52,11 @@ def served(tmp_path_factory):
         _wait(lambda: httpx.get(f"{BASE}/healthz", timeout=10).status_code == 200, 420, "the app to be ready", proc)
         yield proc
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: Serve shuts the app and Ray down
+        # Ctrl-C on `serve run` itself (not its process group: Ray's own processes must stay up
+        # while it shuts the application and then Ray down in order)
+        proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(timeout=90)
+            proc.wait(timeout=180)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError("serve run did not shut down cleanly:\n" + log.read_text()[-3000:])
