@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import AsyncIterator
 
+from engine.base import chat_ids
 from engine.types import GenerationRequest, Result, TokenEvent
 
 REMEMBERED_PREFIXES = 256
@@ -23,9 +24,7 @@ class Tokenizing:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True, return_dict=False)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return chat_ids(self.tokenizer, messages, add_generation_prompt)
 
 
 class HandleBatcher:

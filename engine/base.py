@@ -58,11 +58,14 @@ class Engine(ABC):
         return [self.pop_result(r.id) for r in requests]
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation, with the model's own chat template."""
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return chat_ids(self.tokenizer, messages, add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation, with the model's own chat template."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        return_dict=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)

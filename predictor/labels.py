@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams
+from predictor.prompt import chat_prompt_ids
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "labels"
 SOURCES = ("train_pool.jsonl", "sharegpt4k.jsonl")
@@ -105,8 +106,7 @@ def generate_labels(engine: LLMEngine, rows: list[dict], temperatures: list[floa
     while pending or engine.has_work():
         while pending and in_flight < queue_target:
             row = pending.popleft()
-            text = engine.tokenizer.decode(engine.encode(row["prompt"])[:max_prompt_tokens])
-            prompt_ids = engine.encode_chat([{"role": "user", "content": text}])
+            prompt_ids = chat_prompt_ids(engine.tokenizer, row["prompt"], max_prompt_tokens)
             waiting[row["id"]] = (row, prompt_ids, {})
             for t in temperatures:
                 params = SamplingParams(max_tokens=max_tokens, temperature=t, seed=_seed(row["id"], t) if t else None,

@@ -4,6 +4,8 @@ assistant began its turn by asking it. Because it only appends to the decoder's 
 request can be scored from its ids alone: a chat turn, a raw completion or a plan node."""
 from __future__ import annotations
 
+from engine.base import chat_ids
+
 SUFFIX = "(Before I reply: my reply to this will be about this many tokens long:"
 MAX_PROMPT_TOKENS = 384  # the labels cut user prompts to this; prediction keeps as much of the prompt
 TAIL_TOKENS = 16  # a prompt cut for prediction keeps its end: the template's turn markers live there
@@ -12,9 +14,7 @@ TAIL_TOKENS = 16  # a prompt cut for prediction keeps its end: the template's tu
 def chat_prompt_ids(tokenizer, prompt: str, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> list[int]:
     """The decoder's prompt ids for one user message, cut as the labels cut it."""
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][:max_prompt_tokens]
-    out = tokenizer.apply_chat_template([{"role": "user", "content": tokenizer.decode(ids)}],
-                                        add_generation_prompt=True, tokenize=True, return_dict=False)
-    return list(out["input_ids"] if isinstance(out, dict) else out)
+    return chat_ids(tokenizer, [{"role": "user", "content": tokenizer.decode(ids)}])
 
 
 class PredictionInput:
