@@ -28,11 +28,16 @@ Predict = Callable[[list[int]], Awaitable[int]]
 
 
 class DispatchConfig(BaseModel):
-    """How the push loop feeds the decoders."""
+    """How the push loop feeds the decoders. The decoders batch continuously, so a micro-batch joins
+    the running engine batch at once: what limits dispatch is their free sequence slots, not how many
+    micro-batches are out. Requests past that wait in their bins, where they group by length."""
 
+    max_requests_in_flight: int = Field(
+        32, ge=1, description="Requests handed to decoders and not yet finished, across all replicas: about the "
+        "engine's max_batch_size times the replicas you expect. Past it, new micro-batches wait.")
     max_batches_in_flight: int = Field(
-        4, ge=1, description="Micro-batches handed to decoders and not yet finished. Requests wait in their bins "
-        "meanwhile, which is what lets them group; raise it with the number of decoder replicas.")
+        16, ge=1, description="Micro-batches handed to decoders and not yet finished; keep it at or below the "
+        "Decoder deployment's max_ongoing_requests times its replicas, so none waits in Serve's router.")
     predict_timeout_s: float = Field(5.0, gt=0, description="A prediction slower than this is skipped (default bin).")
 
 
@@ -57,6 +62,8 @@ class BatcherActor:
         self.observer = observer
         self._queued = asyncio.Event()  # set whenever a request may have become available
         self._loop_task: asyncio.Task | None = None
+        self._room = asyncio.Event()  # set whenever a dispatched micro-batch finishes
+        self._out_batches = self._out_requests = 0  # pushed to decoders, not yet finished
         self.counts = {"predictions": 0, "prediction_failures": 0, "refused": 0}
 
     # ---- requests in ----------------------------------------------------------------------------
@@ -118,24 +125,32 @@ class BatcherActor:
 
     # ---- push: the actor's own loop feeds the decoders -----------------------------------------
     async def _push_loop(self) -> None:
-        slots = asyncio.Semaphore(self.dispatch.max_batches_in_flight)
         running: set[asyncio.Task] = set()  # held here: the event loop keeps only weak references
         while True:
-            await slots.acquire()
+            while not self._dispatch_room():
+                self._room.clear()
+                await self._room.wait()
             try:
-                batch = await self.next_batch(wait_s=1.0)
+                batch = await self.next_batch(wait_s=1.0, max_requests=self._dispatch_room())
             except Exception:  # never let one bad batch stop all dispatch
                 log.exception("batcher: forming a micro-batch failed")
                 batch = None
                 await asyncio.sleep(1.0)
             if batch is None:
-                slots.release()
                 continue
-            task = asyncio.create_task(self._run_remote(batch, slots))
+            self._out_batches += 1
+            self._out_requests += len(batch["requests"])
+            task = asyncio.create_task(self._run_remote(batch))
             running.add(task)
             task.add_done_callback(running.discard)
 
-    async def _run_remote(self, batch: dict, slots: asyncio.Semaphore) -> None:
+    def _dispatch_room(self) -> int:
+        """How many more requests may go to the decoders now (0: wait for a batch to finish)."""
+        if self._out_batches >= self.dispatch.max_batches_in_flight:
+            return 0
+        return max(0, self.dispatch.max_requests_in_flight - self._out_requests)
+
+    async def _run_remote(self, batch: dict) -> None:
         results, refused = [], {}
         try:
             async for item in self._send_batch(batch):
@@ -151,7 +166,9 @@ class BatcherActor:
             self._wake_if_pending()
             return
         finally:
-            slots.release()
+            self._out_batches -= 1
+            self._out_requests -= len(batch["requests"])
+            self._room.set()
         for request_id in refused:
             prompt = next(r for r in batch["requests"] if r["id"] == request_id)["prompt_ids"]
             results.append(Result(request_id=request_id, prompt_tokens=len(prompt), token_ids=[], text="",
@@ -166,13 +183,15 @@ class BatcherActor:
             listener.put_nowait(event)
 
     # ---- pull: decoders ask for work ------------------------------------------------------------
-    async def next_batch(self, budget_override: int | None = None, wait_s: float = 0.0) -> dict | None:
+    async def next_batch(self, budget_override: int | None = None, wait_s: float = 0.0,
+                         max_requests: int | None = None) -> dict | None:
         """The next `MicroBatch` as a dict, or None when nothing is queued within `wait_s` seconds.
-        `budget_override` replaces the configured token budget (the caller's free KV memory)."""
+        `budget_override` replaces the configured token budget (the caller's free KV memory);
+        `max_requests` caps the batch's size (the caller's free sequence slots)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
-            batch = self.core.next_batch(time.monotonic(), budget_override)
+            batch = self.core.next_batch(time.monotonic(), budget_override, max_requests)
             left = deadline - loop.time()
             if batch is not None and self.observer is not None:
                 self.observer.batch(len(batch.requests), batch.tokens)

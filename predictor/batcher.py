@@ -133,16 +133,20 @@ class Batcher:
         return self.bins.bin_of(int(predicted))
 
     # ---- batches out ----------------------------------------------------------------------------
-    def next_batch(self, now: float, token_budget: int | None = None) -> MicroBatch | None:
+    def next_batch(self, now: float, token_budget: int | None = None, max_requests: int | None = None) -> MicroBatch | None:
         """The next micro-batch (see the class docstring for the policy), or None if nothing waits.
-        `token_budget` overrides the configured budget for this batch (a replica's free KV)."""
+        `token_budget` overrides the configured budget for this batch (a replica's free KV);
+        `max_requests` caps its size below max_batch_size (the decoders' free sequence slots)."""
         budget = self.config.token_budget if token_budget is None else token_budget
         if budget < 1:
             raise ValueError(f"token_budget: must be at least 1, got {budget}")
+        if max_requests is not None and max_requests < 1:
+            raise ValueError(f"max_requests: must be at least 1, got {max_requests}")
         bin = self._pick_bin(now, budget)
         if bin is None:
             return None
-        taken = self._pack(self._queues[bin], now, budget)
+        limit = self.config.max_batch_size if max_requests is None else min(max_requests, self.config.max_batch_size)
+        taken = self._pack(self._queues[bin], now, budget, limit)
         chosen = {id(e) for e in taken}
         self._queues[bin] = deque(e for e in self._queues[bin] if id(e) not in chosen)
         batch = MicroBatch(
@@ -179,7 +183,7 @@ class Batcher:
             return min(1.0, by_count)
         return min(1.0, max(by_count, sum(self._cost(e) for e in queue) / budget))
 
-    def _pack(self, queue: deque[_Entry], now: float, budget: int) -> list[_Entry]:
+    def _pack(self, queue: deque[_Entry], now: float, budget: int, limit: int) -> list[_Entry]:
         def order(indexed: tuple[int, _Entry]):
             index, e = indexed
             aged = now - e.submitted_at >= self.config.aging_s
@@ -187,7 +191,7 @@ class Batcher:
 
         taken, used = [], 0
         for _, entry in sorted(enumerate(queue), key=order):
-            if len(taken) == self.config.max_batch_size:
+            if len(taken) == limit:
                 break
             cost = self._cost(entry)
             if self.config.variable_batch_size and taken and used + cost > budget:

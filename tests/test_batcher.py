@@ -294,3 +294,13 @@ def test_cut_and_resumed_answers_equal_uninterrupted_ones(make_engine, decode_al
         assert r.finish_reason == FinishReason.LENGTH
         assert r.token_ids == reference.token_ids and r.text == reference.text
     assert b.stats()["requeues"] == 4 * 3  # cut at 4, 8 and 16, then run to max_tokens
+
+
+def test_max_requests_caps_a_batch_below_max_batch_size_and_must_be_positive():
+    b = batcher(token_budget=10**6, max_batch_size=8)
+    for i in range(6):
+        b.submit(req(f"r{i}", 10), now=0.0)
+    assert [r.id for r in b.next_batch(now=0.0, max_requests=2).requests] == ["r0", "r1"]
+    assert len(b.next_batch(now=0.0).requests) == 4
+    with pytest.raises(ValueError, match="max_requests"):
+        b.next_batch(now=0.0, max_requests=0)

@@ -142,3 +142,47 @@ def test_the_observer_hears_of_batches_queues_lengths_and_requeues():
     assert sorted(recorder.lengths) == [(3, 2), (3, 7)]  # r0 is 2 tokens long, r1 7: predicted 3 for both
     assert recorder.requeues == 1  # r1 overran the 4-token bin once
     assert sum(size for size, _ in recorder.batches) == 3 and all(len(d) == 2 for d in recorder.depths)
+
+
+class GatedDecoder:
+    """Holds every micro-batch open until `release` is set, recording the requests out at once."""
+
+    def __init__(self):
+        self.release, self.out, self.most_out, self.sizes = asyncio.Event(), 0, 0, []
+
+    async def __call__(self, batch: dict):
+        self.sizes.append(len(batch["requests"]))
+        self.out += len(batch["requests"])
+        self.most_out = max(self.most_out, self.out)
+        await self.release.wait()
+        for r in batch["requests"]:
+            yield {"result": {"request_id": r["id"], "prompt_tokens": 2, "token_ids": [1], "text": "",
+                              "finish_reason": "stop", "ttft_s": 0.0, "latency_s": 0.0}}
+        self.out -= len(batch["requests"])
+
+
+@pytest.mark.parametrize("limits, first_sizes", [
+    ({"max_requests_in_flight": 4, "max_batches_in_flight": 16}, [1, 3]),  # slots, not batches, run out
+    ({"max_requests_in_flight": 32, "max_batches_in_flight": 2}, [1, 9]),  # batches run out first
+])
+def test_dispatch_fills_the_decoders_free_slots_then_holds_the_rest_in_the_bins(limits, first_sizes):
+    """A lone first request goes at once; what arrives while it runs joins the decoders in the next
+    micro-batch, up to the free slots; the rest waits for room, and every request is answered."""
+    async def main():
+        decoder = GatedDecoder()
+        actor = BatcherActor({"bins": {"edges": [64]}}, send_batch=decoder, dispatch=limits)
+        first = asyncio.create_task(actor.submit(request("a")))
+        while not decoder.sizes:
+            await asyncio.sleep(0)
+        rest = [asyncio.create_task(actor.submit(request(f"b{i}"))) for i in range(9)]
+        for _ in range(50):
+            await asyncio.sleep(0)
+        held = (list(decoder.sizes), (await actor.stats())["pending"])
+        decoder.release.set()
+        answers = await asyncio.gather(first, *rest)
+        return held, decoder.most_out, answers
+
+    (sizes, pending), most_out, answers = run(main())
+    assert sizes == first_sizes and pending == 10 - sum(first_sizes)
+    assert most_out <= limits["max_requests_in_flight"]
+    assert len(answers) == 10 and all(a["token_ids"] == [1] for a in answers)
