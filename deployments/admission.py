@@ -26,9 +26,9 @@ def _bearer(scope: Scope) -> str | None:
 
 
 class Admission:
-    """Refuses a /v1 request without the API key (401, when a key is set), or once this replica
-    already holds `max_in_flight` of them (503 with Retry-After), and counts the rest until their
-    response, streamed or not, is fully sent. Other routes (/healthz, /docs) pass untouched.
+    """Refuses a /v1 request without the API key (401, when a key is set), or a completion request
+    once this replica already holds `max_in_flight` of them (503 with Retry-After), and counts the
+    rest until their response, streamed or not, is fully sent. Other routes (/healthz, /docs) pass untouched.
 
     The count is per replica on purpose: each ingress replica sees only its own requests, and a
     cluster-wide count would put a shared actor on every request's path. Serve's proxy spreads
@@ -44,9 +44,13 @@ class Admission:
         if scope["type"] != "http" or not _route_path(scope).startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        refusal = self._refusal(scope)
+        generates = scope.get("method") == "POST"  # GET /v1/models is cheap: it never waits for room
+        refusal = self._refusal(scope, generates)
         if refusal is not None:
             await refusal(scope, receive, send)
+            return
+        if not generates:
+            await self.app(scope, receive, send)
             return
         self.in_flight += 1
         try:
@@ -54,7 +58,7 @@ class Admission:
         finally:
             self.in_flight -= 1
 
-    def _refusal(self, scope: Scope) -> JSONResponse | None:
+    def _refusal(self, scope: Scope, generates: bool) -> JSONResponse | None:
         if self.api_key is not None:
             token = _bearer(scope)
             if token is None or not hmac.compare_digest(token.encode(), self.api_key.encode()):
@@ -65,7 +69,7 @@ class Admission:
                     code="invalid_api_key",
                 )
                 return JSONResponse(error.to_body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        if self.in_flight >= self.max_in_flight:
+        if generates and self.in_flight >= self.max_in_flight:
             error = RequestError(
                 None,
                 f"this replica is serving its limit of {self.max_in_flight} requests; retry in {RETRY_AFTER_S} s",

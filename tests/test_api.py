@@ -225,15 +225,16 @@ def test_past_max_in_flight_requests_get_503_with_retry_after_at_once():
             await _until(lambda: backend.holding == 2)  # one answer and one open stream
             refused = await http.post("/v1/completions", json={"prompt": WORDS})
             health = await http.get("/healthz")
+            models = await http.get("/v1/models")  # a cheap GET neither waits for nor takes room
             backend.release.set()
             answered = await asyncio.gather(*held)
             invalid = [await http.post("/v1/chat/completions", json={}) for _ in range(3)]
             after = await http.post("/v1/chat/completions", json=chat)
-        return refused, health, answered, invalid, after
+        return refused, health, models, answered, invalid, after
 
-    refused, health, answered, invalid, after = asyncio.run(scenario())
+    refused, health, models, answered, invalid, after = asyncio.run(scenario())
     assert_refused(refused, 503, None, "server_overloaded")
     assert refused.headers["retry-after"] == "1"
-    assert health.status_code == 200
+    assert health.status_code == 200 and models.status_code == 200
     assert [r.status_code for r in answered] == [200, 200] and answered[1].text.endswith("data: [DONE]\n\n")
     assert [r.status_code for r in invalid] == [400] * 3 and after.status_code == 200  # nothing leaked
