@@ -101,6 +101,17 @@ class Answer(BaseModel):
     node_prompt_tokens: int = 0
 
 
+async def fixed_prefix_request(client: DecodeClient, messages: list[dict], params: SamplingParams) -> GenerationRequest:
+    """A planning request whose instructions and worked examples (every message but the question)
+    are marked as its shared prefix: the same for every question, so the decoder replica prefills
+    them once and later plans start from their cached KV (a few hundred prompt tokens each).
+    The prefix closes with the template's end-of-turn token, so it is a token prefix of the whole."""
+    ids = await client.encode_chat(messages)
+    prefix = await client.encode_chat(messages[:-1], add_generation_prompt=False)
+    shared = len(prefix) if len(prefix) < len(ids) and ids[: len(prefix)] == prefix else 0
+    return GenerationRequest(prompt_ids=ids, params=params, shared_prefix_len=shared)
+
+
 class Orchestrator:
     """Runs the three modes. All decoding goes through `client`; nothing here blocks."""
 
@@ -128,10 +139,9 @@ class Orchestrator:
                       completion_tokens=spent + result.completion_tokens, fallback=fallback)
 
     async def _sot(self, question: str) -> Answer:
-        ids = await self.client.encode_chat(sot_skeleton_messages(question))
         params = SamplingParams(max_tokens=self.config.plan_max_tokens, stop=[PLAN_END],
                                 presence_penalty=self.config.plan_presence_penalty)
-        skeleton = await self.client.generate(GenerationRequest(prompt_ids=ids, params=params))
+        skeleton = await self.client.generate(await fixed_prefix_request(self.client, sot_skeleton_messages(question), params))
         outline = parse_plan(question, skeleton.text, truncated=skeleton.finish_reason is FinishReason.LENGTH)
         points = [node.text for node in outline.nodes][: self.config.max_nodes]
         if len(points) < 2:
@@ -186,13 +196,13 @@ class _PlatoRun:
 
     async def _stream_plan(self) -> tuple[Result, float]:
         started = time.perf_counter()
-        ids = await self.client.encode_chat(plan_messages(self.question, self.config.max_nodes))
         params = SamplingParams(max_tokens=self.config.plan_max_tokens, stop=[PLAN_END],
                                 constraint=self.config.plan_constraint,
                                 presence_penalty=self.config.plan_presence_penalty)
+        request = await fixed_prefix_request(self.client, plan_messages(self.question, self.config.max_nodes), params)
         parser, result = StreamingPlanParser(), None
         try:
-            stream = self.client.stream(GenerationRequest(prompt_ids=ids, params=params))
+            stream = self.client.stream(request)
             async for item in stream:
                 if isinstance(item, Result):
                     result = item

@@ -164,3 +164,34 @@ def test_auto_routes_code_to_plain_decoding_and_advice_to_planning():
     advice = asyncio.run(orchestrator.answer("How can I sleep better and feel rested?", "auto"))
     assert (code.mode, code.routed) == ("ar", "code")
     assert (advice.mode, advice.routed) == ("plato", "several separable parts")
+
+
+def test_planning_prompts_share_their_instructions_as_a_cached_prefix(make_engine):
+    """The plan and skeleton prompts mark everything but the question as their shared prefix: the
+    same tokens for any question, so a second plan starts from the first one's cached KV."""
+    from engine.types import SamplingParams
+    from graph.orchestrator import fixed_prefix_request
+    from graph.prompts import plan_messages, sot_skeleton_messages
+
+    engine = AsyncEngine(make_engine(max_batch_size=2, max_model_len=1024))
+    client = EngineClient(engine)
+    params = SamplingParams(max_tokens=2)
+
+    async def main():
+        out = []
+        for build in (plan_messages, sot_skeleton_messages):
+            first = await fixed_prefix_request(client, build("baba babe?"), params)
+            second = await fixed_prefix_request(client, build("a different question entirely"), params)
+            results = [await client.generate(first), await client.generate(second)]
+            out.append((first, second, results))
+        return out
+
+    try:
+        runs = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        engine.shutdown()
+    for first, second, (one, two) in runs:
+        n = first.shared_prefix_len
+        assert 0 < n < len(first.prompt_ids) and second.shared_prefix_len == n
+        assert first.prompt_ids[:n] == second.prompt_ids[:n] and first.prompt_ids[n:] != second.prompt_ids[n:]
+        assert two.prefix_hit_tokens >= n
