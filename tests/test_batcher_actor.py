@@ -1,5 +1,6 @@
-"""The batcher actor on a local Ray: concurrent submitters are all answered while a fake decoder
-pulls micro-batches, fails one of them and reports the rest, cut-off answers included."""
+"""Actors on a local Ray: the batcher answers concurrent submitters while a fake decoder pulls
+micro-batches, fails one of them and reports the rest, cut-off answers included; a prefix KV one
+decoder replica computed reaches another through the context cache actor and the object store."""
 from __future__ import annotations
 
 import pytest
@@ -48,3 +49,41 @@ def test_concurrent_submits_are_all_answered(local_ray):
     actor.submit.remote(requests[0].model_dump())  # answered ids are free again: this one queues
     with pytest.raises(ValueError, match="id: request 'r0' is already queued"):
         ray.get(actor.submit.remote(requests[0].model_dump()))
+
+
+def test_a_prefix_computed_on_one_replica_is_fetched_by_another_through_the_context_cache(local_ray, make_engine):
+    """Replica a prefills a plan node's shared prefix and publishes its KV through Ray's object store;
+    replica b, asked for a node with the same prefix, fetches it from the ContextCache actor instead
+    of prefilling, and answers exactly as a replica that computed it would."""
+    import asyncio
+
+    from actors.context_cache import ContextCache
+    from actors.decoder import DecoderReplica
+
+    cache = ray.remote(ContextCache).options(num_cpus=0).remote({})
+    a = DecoderReplica({}, cache, name="a", engine=make_engine(max_batch_size=2))
+    b = DecoderReplica({}, cache, name="b", engine=make_engine(max_batch_size=2))
+    prefix = [5 + i % 40 for i in range(48)]
+
+    def node(rid: str, tail: list[int]) -> dict:
+        return GenerationRequest(id=rid, prompt_ids=prefix + tail, shared_prefix_len=len(prefix),
+                                 params=SamplingParams(max_tokens=6, temperature=0.0)).model_dump(mode="json")
+
+    async def results(replica, batch: dict) -> list[dict]:
+        return [item["result"] async for item in replica.run_batch(batch) if "result" in item]
+
+    async def main():
+        first = await results(a, {"id": "x", "requests": [node("n1", [7, 8])]})
+        second = await results(b, {"id": "y", "requests": [node("n2", [7, 8]), node("n3", [9])]})
+        return first, second
+
+    try:
+        first, second = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        a.engine.shutdown()
+        b.engine.shutdown()
+    assert (a.counts["prefix_computed"], a.counts["prefix_fetched"]) == (1, 0)
+    assert (b.counts["prefix_computed"], b.counts["prefix_fetched"], b.counts["prefix_fetch_failed"]) == (0, 1, 0)
+    assert second[0]["token_ids"] == first[0]["token_ids"]  # fetched KV decodes exactly as computed KV
+    assert all(r["prefix_hit_tokens"] >= len(prefix) for r in second)
+    assert ray.get(cache.stats.remote())["prefix_entries"] == 1
