@@ -160,11 +160,13 @@ class BatcherActor:
                     results.append(item["result"])
                 else:
                     refused[item["error"]["request_id"]] = item["error"]["message"]
-        except Exception:  # the replica died or the call failed: re-queue, keeping streamed tokens
-            partial = {r["id"]: self._progress.get(r["id"], []) for r in batch["requests"]}
-            self.core.fail(batch["id"], partial)
-            self._wake_if_pending()
-            return
+        except Exception:  # the replica died or the call failed: what it finished is final, the rest
+            # is re-queued after the tokens already streamed (a finished answer re-run after its end
+            # would be decoded past its stop)
+            done = {r["request_id"] for r in results}
+            failed = {r["id"]: self._progress.get(r["id"], []) for r in batch["requests"] if r["id"] not in done}
+        else:
+            failed = None
         finally:
             self._out_batches -= 1
             self._out_requests -= len(batch["requests"])
@@ -173,7 +175,7 @@ class BatcherActor:
             prompt = next(r for r in batch["requests"] if r["id"] == request_id)["prompt_ids"]
             results.append(Result(request_id=request_id, prompt_tokens=len(prompt), token_ids=[], text="",
                                   finish_reason=FinishReason.ABORT, ttft_s=0.0, latency_s=0.0).model_dump())
-        await self.report(batch["id"], results, refused)
+        await self.report(batch["id"], results, refused, partial=failed)
 
     def _on_event(self, event: dict) -> None:
         request_id = event["request_id"]
@@ -204,10 +206,12 @@ class BatcherActor:
             except asyncio.TimeoutError:
                 pass
 
-    async def report(self, batch_id: str, results: list[dict], refused: dict[str, str] | None = None) -> int:
+    async def report(self, batch_id: str, results: list[dict], refused: dict[str, str] | None = None,
+                     partial: dict[str, list[int]] | None = None) -> int:
         """Hand in a batch's results (`Result` dicts); returns how many were final and answered.
-        `refused` (request id -> why) answers those requests with a RequestFailed error."""
-        final = self.core.report(batch_id, [Result.model_validate(r) for r in results])
+        `refused` (request id -> why) answers those requests with a RequestFailed error; `partial`
+        says the decoder failed partway (see Batcher.report)."""
+        final = self.core.report(batch_id, [Result.model_validate(r) for r in results], partial)
         for result in final:
             self._progress.pop(result.request_id, None)
             predicted = self._predicted.pop(result.request_id, None)

@@ -219,10 +219,12 @@ class Batcher:
         return entry.request.model_copy(update={"params": params})
 
     # ---- results back ---------------------------------------------------------------------------
-    def report(self, batch_id: str, results: list[Result]) -> list[Result]:
+    def report(self, batch_id: str, results: list[Result], partial: dict[str, list[int]] | None = None) -> list[Result]:
         """Take a batch's results; returns the final ones (STOP, LENGTH, ABORT). A CUT result is
         re-queued one bin up, resuming after its tokens; a request without a result is re-queued as
-        it was. Results of an unknown batch, of requests not in it, or repeated, are ignored."""
+        it was. Results of an unknown batch, of requests not in it, or repeated, are ignored.
+        `partial` says the replica failed partway (see `fail`): the requests it finished are final,
+        the others resume after their tokens in `partial`."""
         entries = self._in_flight.pop(batch_id, None)
         if entries is None:
             self._counts["ignored_results"] += len(results)
@@ -238,7 +240,11 @@ class Batcher:
                 self._live.discard(entry.request.id)
                 self._counts["finished"] += 1
                 final.append(result)
-        self._counts["missing_results"] += len(entries)
+        if partial is None:
+            self._counts["missing_results"] += len(entries)
+        else:
+            self._counts["failed_batches"] += 1
+            self._resume_after(entries, partial)
         self._requeue_front(entries.values())
         return final
 
@@ -247,17 +253,20 @@ class Batcher:
         queue. `partial` (request id -> all tokens generated so far, e.g. already streamed to the
         client) makes a request resume after those tokens instead of starting over. Returns how
         many; 0 for a batch already reported or failed."""
-        entries = self._in_flight.pop(batch_id, None)
+        entries = self._in_flight.get(batch_id)
         if entries is None:
             return 0
-        self._counts["failed_batches"] += 1
-        for request_id, tokens in (partial or {}).items():
+        count = len(entries)
+        self.report(batch_id, [], partial or {})
+        return count
+
+    @staticmethod
+    def _resume_after(entries: dict[str, _Entry], partial: dict[str, list[int]]) -> None:
+        for request_id, tokens in partial.items():
             entry = entries.get(request_id)
             if entry is not None and len(tokens) > len(entry.request.resume_ids) and \
                     len(tokens) < entry.request.params.max_tokens:
                 entry.request = entry.request.model_copy(update={"resume_ids": list(tokens)})
-        self._requeue_front(entries.values())
-        return len(entries)
 
     def _requeue_cut(self, entry: _Entry, result: Result) -> None:
         kept = list(result.token_ids)

@@ -186,3 +186,19 @@ def test_dispatch_fills_the_decoders_free_slots_then_holds_the_rest_in_the_bins(
     assert sizes == first_sizes and pending == 10 - sum(first_sizes)
     assert most_out <= limits["max_requests_in_flight"]
     assert len(answers) == 10 and all(a["token_ids"] == [1] for a in answers)
+
+
+def test_what_a_dying_replica_finished_is_final_and_only_the_rest_runs_again():
+    """r0 (2 tokens) finishes, then the replica dies 2 tokens into r1: r0 is answered as it was (not
+    re-run after its end, which a real engine would decode past its stop), r1 resumes after [0, 1]."""
+    async def main():
+        decoder = FakeDecoder(die_after=4)
+        actor = BatcherActor({"bins": {"edges": [64]}}, send_batch=decoder)
+        outs = await asyncio.gather(collect(actor, "r0"), collect(actor, "r1"))
+        return decoder.batches, outs, await actor.stats()
+
+    batches, outs, stats = run(main())
+    assert [r["id"] for r in batches[0]["requests"]] == ["r0", "r1"]
+    assert [(r["id"], r["resume_ids"]) for b in batches[1:] for r in b["requests"]] == [("r1", [0, 1])]
+    assert outs[0][0] == [0, 1] and outs[1][0] == list(range(7))
+    assert stats["failed_batches"] == 1 and stats["finished"] == 2 and stats["pending"] == stats["in_flight"] == 0
