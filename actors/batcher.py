@@ -45,6 +45,13 @@ class RequestFailed(RuntimeError):
     """The decoder refused the request (it never fits), so it is answered with this error."""
 
 
+def _refusal(batch: dict, request_id: str) -> Result:
+    """The final result of a request the decoder refused (answered with its error, see report)."""
+    prompt = next(r for r in batch["requests"] if r["id"] == request_id)["prompt_ids"]
+    return Result(request_id=request_id, prompt_tokens=len(prompt), token_ids=[], text="",
+                  finish_reason=FinishReason.ABORT, ttft_s=0.0, latency_s=0.0)
+
+
 class BatcherActor:
     """Start it with `ray.remote(BatcherActor).remote(config)`, or hold it in a Serve deployment with
     `send_batch`/`predict`. `config` is a `BatcherConfig` as a dict."""
@@ -151,31 +158,32 @@ class BatcherActor:
         return max(0, self.dispatch.max_requests_in_flight - self._out_requests)
 
     async def _run_remote(self, batch: dict) -> None:
-        results, refused = [], {}
+        """Stream one micro-batch from a decoder. Each request is settled, and its sequence slot
+        freed for the next request, the moment its own result arrives, not when its batch ends."""
+        holding, failed = len(batch["requests"]), None
         try:
             async for item in self._send_batch(batch):
                 if "event" in item:
                     self._on_event(item["event"])
-                elif "result" in item:
-                    results.append(item["result"])
+                    continue
+                if "result" in item:
+                    self._settle(self.core.report_one(batch["id"], Result.model_validate(item["result"])), item["result"])
                 else:
-                    refused[item["error"]["request_id"]] = item["error"]["message"]
-        except Exception:  # the replica died or the call failed: what it finished is final, the rest
-            # is re-queued after the tokens already streamed (a finished answer re-run after its end
-            # would be decoded past its stop)
-            done = {r["request_id"] for r in results}
-            failed = {r["id"]: self._progress.get(r["id"], []) for r in batch["requests"] if r["id"] not in done}
-        else:
-            failed = None
+                    error = item["error"]
+                    refusal = _refusal(batch, error["request_id"])
+                    self._settle(self.core.report_one(batch["id"], refusal), refusal.model_dump(mode="json"),
+                                 refused=error["message"])
+                holding -= 1
+                self._out_requests -= 1
+                self._room.set()
+        except Exception:  # the replica died or the call failed: what it finished is settled already;
+            # the rest is re-queued after the tokens it streamed
+            failed = {r["id"]: self._progress.get(r["id"], []) for r in batch["requests"]}
         finally:
             self._out_batches -= 1
-            self._out_requests -= len(batch["requests"])
+            self._out_requests -= holding
             self._room.set()
-        for request_id in refused:
-            prompt = next(r for r in batch["requests"] if r["id"] == request_id)["prompt_ids"]
-            results.append(Result(request_id=request_id, prompt_tokens=len(prompt), token_ids=[], text="",
-                                  finish_reason=FinishReason.ABORT, ttft_s=0.0, latency_s=0.0).model_dump())
-        await self.report(batch["id"], results, refused, partial=failed)
+        await self.report(batch["id"], [], partial=failed)
 
     def _on_event(self, event: dict) -> None:
         request_id = event["request_id"]
@@ -211,27 +219,32 @@ class BatcherActor:
         """Hand in a batch's results (`Result` dicts); returns how many were final and answered.
         `refused` (request id -> why) answers those requests with a RequestFailed error; `partial`
         says the decoder failed partway (see Batcher.report)."""
-        final = self.core.report(batch_id, [Result.model_validate(r) for r in results], partial)
-        for result in final:
-            self._progress.pop(result.request_id, None)
-            predicted = self._predicted.pop(result.request_id, None)
-            if self.observer is not None:
-                self.observer.finished(predicted, result.completion_tokens)
-            waiter = self._waiters.get(result.request_id)
-            if waiter is None or waiter.done():
-                continue
-            if refused and result.request_id in refused:
-                self.counts["refused"] += 1
-                waiter.set_exception(RequestFailed(refused[result.request_id]))
-            else:
-                waiter.set_result(result)
-        for result in results:  # a cut attempt starts over from its kept tokens
-            if result["finish_reason"] == FinishReason.CUT.value:
-                self._progress[result["request_id"]] = list(result["token_ids"])
-                if self.observer is not None:
-                    self.observer.requeue()
+        final = {r.request_id: r for r in self.core.report(batch_id, [Result.model_validate(r) for r in results], partial)}
+        for raw in results:
+            rid = raw["request_id"]
+            self._settle(final.get(rid), raw, refused=(refused or {}).get(rid))
         self._wake_if_pending()
         return len(final)
+
+    def _settle(self, final: Result | None, raw: dict, refused: str | None = None) -> None:
+        """Answer a request whose final result came (`final`), or note a cut attempt's kept tokens."""
+        if final is not None:
+            self._progress.pop(final.request_id, None)
+            predicted = self._predicted.pop(final.request_id, None)
+            if self.observer is not None:
+                self.observer.finished(predicted, final.completion_tokens)
+            waiter = self._waiters.get(final.request_id)
+            if waiter is not None and not waiter.done():
+                if refused is not None:
+                    self.counts["refused"] += 1
+                    waiter.set_exception(RequestFailed(refused))
+                else:
+                    waiter.set_result(final)
+        elif raw["finish_reason"] == FinishReason.CUT.value:  # the next attempt starts from its kept tokens
+            self._progress[raw["request_id"]] = list(raw["token_ids"])
+            if self.observer is not None:
+                self.observer.requeue()
+            self._wake_if_pending()
 
     async def fail(self, batch_id: str, partial: dict[str, list[int]] | None = None) -> int:
         """The batch will not be finished (its decoder died): re-queue it; returns how many requests."""

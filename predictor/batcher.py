@@ -229,17 +229,7 @@ class Batcher:
         if entries is None:
             self._counts["ignored_results"] += len(results)
             return []
-        final = []
-        for result in results:
-            entry = entries.pop(result.request_id, None)
-            if entry is None:
-                self._counts["ignored_results"] += 1
-            elif result.finish_reason == FinishReason.CUT:
-                self._requeue_cut(entry, result)
-            else:
-                self._live.discard(entry.request.id)
-                self._counts["finished"] += 1
-                final.append(result)
+        final = [r for r in (self._take(entries, result) for result in results) if r is not None]
         if partial is None:
             self._counts["missing_results"] += len(entries)
         else:
@@ -247,6 +237,28 @@ class Batcher:
             self._resume_after(entries, partial)
         self._requeue_front(entries.values())
         return final
+
+    def report_one(self, batch_id: str, result: Result) -> Result | None:
+        """One result of a batch that is still running (a decoder streams each as it finishes): the
+        result if final, None if it was cut (re-queued now) or is ignored. The batch stays in flight
+        until `report` (its remaining results, or none) or `fail`."""
+        entries = self._in_flight.get(batch_id)
+        if entries is None:
+            self._counts["ignored_results"] += 1
+            return None
+        return self._take(entries, result)
+
+    def _take(self, entries: dict[str, _Entry], result: Result) -> Result | None:
+        entry = entries.pop(result.request_id, None)
+        if entry is None:
+            self._counts["ignored_results"] += 1
+            return None
+        if result.finish_reason == FinishReason.CUT:
+            self._requeue_cut(entry, result)
+            return None
+        self._live.discard(entry.request.id)
+        self._counts["finished"] += 1
+        return result
 
     def fail(self, batch_id: str, partial: dict[str, list[int]] | None = None) -> int:
         """A replica died with the batch in flight: its requests go back to the front of their

@@ -202,3 +202,35 @@ def test_what_a_dying_replica_finished_is_final_and_only_the_rest_runs_again():
     assert [(r["id"], r["resume_ids"]) for b in batches[1:] for r in b["requests"]] == [("r1", [0, 1])]
     assert outs[0][0] == [0, 1] and outs[1][0] == list(range(7))
     assert stats["failed_batches"] == 1 and stats["finished"] == 2 and stats["pending"] == stats["in_flight"] == 0
+
+
+class StaggeredDecoder:
+    """Answers every request of a batch at once, except `held`, which waits for `release`."""
+
+    def __init__(self, held: str):
+        self.held, self.release, self.batches = held, asyncio.Event(), []
+
+    async def __call__(self, batch: dict):
+        self.batches.append([r["id"] for r in batch["requests"]])
+        for r in sorted(batch["requests"], key=lambda r: r["id"] == self.held):
+            if r["id"] == self.held:
+                await self.release.wait()
+            yield {"result": {"request_id": r["id"], "prompt_tokens": 2, "token_ids": [1], "text": "",
+                              "finish_reason": "stop", "ttft_s": 0.0, "latency_s": 0.0}}
+
+
+def test_a_finished_request_frees_its_slot_while_its_batch_mates_still_run():
+    """Two slots, a batch of a and b: once a is answered, c is dispatched and answered while b still
+    runs (a decoder batching continuously has room for it), instead of waiting for the whole batch."""
+    async def main():
+        decoder = StaggeredDecoder(held="b")
+        actor = BatcherActor({"bins": {"edges": [64]}}, send_batch=decoder, dispatch={"max_requests_in_flight": 2})
+        a, b = (asyncio.create_task(actor.submit(request(rid))) for rid in ("a", "b"))
+        await a
+        await actor.submit(request("c"))
+        batches_while_b_runs = list(decoder.batches)
+        decoder.release.set()
+        await b
+        return batches_while_b_runs
+
+    assert run(main()) == [["a", "b"], ["c"]]
