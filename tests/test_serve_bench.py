@@ -157,3 +157,17 @@ def test_committed_subset_is_the_seeded_draw_of_the_shared_file(tmp_path):
         pytest.skip(f"{SOURCE} is not here to redraw the subset from")
     write_subset(dest=tmp_path / DATA_FILE)
     assert (DATA / DATA_FILE).read_text() == (tmp_path / DATA_FILE).read_text()
+
+
+def test_the_in_process_side_runs_at_the_niceness_of_rays_workers():
+    """Ray runs every Serve replica at worker niceness 15; the in-process side drops to it (and never
+    raises itself), so other work on the machine slows both sides alike."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import os; from bench.serve_bench import match_ray_worker_niceness as m; print(m(), os.nice(0))"
+    run = lambda *prefix: subprocess.run([*prefix, sys.executable, "-c", code], cwd=Path(__file__).parents[1],
+                                         capture_output=True, text=True, check=True).stdout.split()
+    assert run() == ["15", "15"]
+    assert run("nice", "-n", "19") == ["19", "19"]
