@@ -4,7 +4,8 @@ Callers `await submit(request)` (or iterate `stream(request)`) and get the reque
 however many cut-off attempts it took. Micro-batches reach the decoders one of two ways:
 - push (the Serve application): with `send_batch`, the actor's own loop hands each micro-batch to a
   decoder replica (through Serve's router, so the decoders' load drives their autoscaling) and
-  routes the streamed events and results back;
+  routes the streamed events and results back (a decoder streams items, or lists of the items
+  ready at once);
 - pull: decoders call `next_batch`, decode, then `report` or `fail`.
 With `predict`, requests that arrive without a predicted length get one first; a predictor that
 fails or is slow leaves the prediction empty, which the core sends to its default bin.
@@ -36,8 +37,9 @@ class DispatchConfig(BaseModel):
         32, ge=1, description="Requests handed to decoders and not yet finished, across all replicas: about the "
         "engine's max_batch_size times the replicas you expect. Past it, new micro-batches wait.")
     max_batches_in_flight: int = Field(
-        16, ge=1, description="Micro-batches handed to decoders and not yet finished; keep it at or below the "
-        "Decoder deployment's max_ongoing_requests times its replicas, so none waits in Serve's router.")
+        32, ge=1, description="Micro-batches handed to decoders and not yet finished; keep it at or below the "
+        "Decoder deployment's max_ongoing_requests times its replicas, so none waits in Serve's router. Requests "
+        "that arrive one by one leave as micro-batches of one, so keep it near max_requests_in_flight.")
     predict_timeout_s: float = Field(5.0, gt=0, description="A prediction slower than this is skipped (default bin).")
 
 
@@ -162,20 +164,22 @@ class BatcherActor:
         freed for the next request, the moment its own result arrives, not when its batch ends."""
         holding, failed = len(batch["requests"]), None
         try:
-            async for item in self._send_batch(batch):
-                if "event" in item:
-                    self._on_event(item["event"])
-                    continue
-                if "result" in item:
-                    self._settle(self.core.report_one(batch["id"], Result.model_validate(item["result"])), item["result"])
-                else:
-                    error = item["error"]
-                    refusal = _refusal(batch, error["request_id"])
-                    self._settle(self.core.report_one(batch["id"], refusal), refusal.model_dump(mode="json"),
-                                 refused=error["message"])
-                holding -= 1
-                self._out_requests -= 1
-                self._room.set()
+            async for message in self._send_batch(batch):
+                for item in message if isinstance(message, list) else [message]:  # a decoder may group items
+                    if "event" in item:
+                        self._on_event(item["event"])
+                        continue
+                    if "result" in item:
+                        result = Result.model_validate(item["result"])
+                        self._settle(self.core.report_one(batch["id"], result), item["result"])
+                    else:
+                        error = item["error"]
+                        refusal = _refusal(batch, error["request_id"])
+                        self._settle(self.core.report_one(batch["id"], refusal), refusal.model_dump(mode="json"),
+                                     refused=error["message"])
+                    holding -= 1
+                    self._out_requests -= 1
+                    self._room.set()
         except Exception:  # the replica died or the call failed: what it finished is settled already;
             # the rest is re-queued after the tokens it streamed
             failed = {r["id"]: self._progress.get(r["id"], []) for r in batch["requests"]}

@@ -33,8 +33,10 @@ class DecoderReplica:
         self.counts = {"prefix_local": 0, "prefix_fetched": 0, "prefix_computed": 0, "prefix_fetch_failed": 0}
 
     async def run_batch(self, batch: dict):
-        """Yield {"event": TokenEvent}, then {"result": Result} for each request of the micro-batch
-        (or {"error": {"request_id", "message"}} for one the engine refuses)."""
+        """Yield lists of items, each list all that was ready at once (one engine step's tokens for
+        the whole micro-batch is one message, not one per request): {"event": TokenEvent}, then
+        {"result": Result} for each request (or {"error": {"request_id", "message"}} for one the
+        engine refuses)."""
         requests = [GenerationRequest.model_validate(r) for r in batch["requests"]]
         for request in requests:
             if request.shared_prefix_len:
@@ -49,18 +51,24 @@ class DecoderReplica:
                 queue.put_nowait({"error": {"request_id": request.id, "message": f"{type(exc).__name__}: {exc}"}})
 
         tasks = [asyncio.create_task(pump(r)) for r in requests]
+        unfinished = len(requests)
         try:
-            for _ in range(len(requests)):
-                while True:
-                    item = await queue.get()
+            while unfinished:
+                ready = [await queue.get()]
+                while not queue.empty():
+                    ready.append(queue.get_nowait())
+                out = []
+                for item in ready:
                     if isinstance(item, TokenEvent):
                         if self.observer is not None and item.token_ids:
                             self.observer.generated(len(item.token_ids))
                         if item.token_ids or item.text:
-                            yield {"event": item.model_dump(mode="json")}
+                            out.append({"event": item.model_dump(mode="json")})
                         continue
-                    yield {"result": item.model_dump(mode="json")} if isinstance(item, Result) else item
-                    break
+                    out.append({"result": item.model_dump(mode="json")} if isinstance(item, Result) else item)
+                    unfinished -= 1
+                if out:
+                    yield out
         finally:
             for task in tasks:
                 task.cancel()  # a consumer that stops early aborts what is still running

@@ -34,7 +34,7 @@ from graph.orchestrator import AnswerConfig, Orchestrator
 INGRESS_HEADROOM = 16
 
 
-@serve.deployment(max_ongoing_requests=16, ray_actor_options={"num_cpus": 1})
+@serve.deployment(max_ongoing_requests=32, ray_actor_options={"num_cpus": 1})
 class Decoder(DecoderReplica):
     """One engine loop per replica. Its ongoing requests are micro-batches, so Serve's autoscaler
     adds replicas when batches queue up (target_ongoing_requests in the YAML)."""

@@ -70,7 +70,7 @@ def test_a_prefix_computed_on_one_replica_is_fetched_by_another_through_the_cont
                                  params=SamplingParams(max_tokens=6, temperature=0.0)).model_dump(mode="json")
 
     async def results(replica, batch: dict) -> list[dict]:
-        return [item["result"] async for item in replica.run_batch(batch) if "result" in item]
+        return [item["result"] async for message in replica.run_batch(batch) for item in message if "result" in item]
 
     async def main():
         first = await results(a, {"id": "x", "requests": [node("n1", [7, 8])]})

@@ -91,3 +91,27 @@ def test_node_prompts_marked_with_a_shared_prefix_reuse_its_kv_on_the_replica(pa
     assert all(r.completion_tokens == 4 for r in results)
     assert stats["prefix_computed"] == 1 and stats["prefix_local"] == 2  # computed once, then found
     assert sum(r.prefix_hit_tokens for r in results) == 3 * len(prefix)
+
+
+def test_a_decoder_streams_what_is_ready_at_once_as_one_message(make_engine):
+    """One engine step makes a token for every request of the micro-batch: they travel to the batcher
+    as one message, not one each, and per request they add up to exactly its final answer."""
+    decoder = DecoderReplica({}, engine=make_engine(max_batch_size=4))
+    batch = {"id": "b", "requests": [
+        GenerationRequest(id=f"r{i}", prompt_ids=[5 + i, 6], params=SamplingParams(max_tokens=8, temperature=0.0))
+        .model_dump(mode="json") for i in range(4)]}
+
+    async def main():
+        return [message async for message in decoder.run_batch(batch)]
+
+    try:
+        messages = run(main())
+    finally:
+        decoder.engine.shutdown()
+    items = [item for message in messages for item in message]
+    assert len(messages) < len(items)
+    results = {i["result"]["request_id"]: i["result"] for i in items if "result" in i}
+    assert sorted(results) == ["r0", "r1", "r2", "r3"]
+    for rid, result in results.items():
+        streamed = [t for i in items if "event" in i and i["event"]["request_id"] == rid for t in i["event"]["token_ids"]]
+        assert streamed == result["token_ids"]
