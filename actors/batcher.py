@@ -154,7 +154,7 @@ class BatcherActor:
             task.add_done_callback(running.discard)
 
     def _dispatch_room(self) -> int:
-        """How many more requests may go to the decoders now (0: wait for a batch to finish)."""
+        """How many more requests may go to the decoders now (0: wait until a request or batch ends)."""
         if self._out_batches >= self.dispatch.max_batches_in_flight:
             return 0
         return max(0, self.dispatch.max_requests_in_flight - self._out_requests)
