@@ -8,8 +8,10 @@
   gets half of max_tokens).
 - `pooled_ridge`: ridge regression on the base model's final hidden state, mean-pooled over the
   same prompt + instruction, fitted on `train` rows.
-Also the cost: predictor seconds per request over the decode seconds of that request's answer,
-with decode throughput measured on the same machine in the same run. Writes
+Also the cost, as predictor seconds per request over the decode seconds of that request's answer
+(decode throughput measured on the same machine in the same run), two ways: `predict_over_decode`
+with the prompt's KV handed in (only the length question runs: the serving cost once the decoder's
+prompt KV is shared) and `predict_with_prompt_over_decode` with the prompt prefilled too. Writes
 bench/results/predictor.json.
 """
 from __future__ import annotations
@@ -30,9 +32,9 @@ from engine.types import GenerationRequest, SamplingParams
 from predictor.labels import DEFAULT_OUT as DEFAULT_LABELS
 from predictor.labels import read_labels
 from predictor.metrics import length_metrics
-from predictor.model import LengthRegressor, pad_batch
+from predictor.model import pad_batch
 from predictor.predict import DEFAULT_ADAPTER, LengthPredictor, PredictorConfig
-from predictor.prompt import MAX_PROMPT_TOKENS, prediction_ids
+from predictor.prompt import MAX_PROMPT_TOKENS, chat_prompt_ids, prediction_ids
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "predictor.json"
 ZERO_SHOT_QUESTION = ("\n\nDo not answer yet. About how many words will your answer to the message above have? "
@@ -59,13 +61,12 @@ def zero_shot(engine: LLMEngine, prompts: list[str], max_tokens: int) -> tuple[l
 
 @torch.no_grad()
 def pooled_states(decoder, sequences: list[list[int]], pad_id: int, batch: int = 16) -> torch.Tensor:
-    regressor = LengthRegressor(decoder, 1)  # only its layer runner; the head is unused
     pooled = torch.zeros(len(sequences), decoder.config.hidden_size)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     for first in range(0, len(order), batch):
         group = order[first : first + batch]
         ids, mask = pad_batch([sequences[i] for i in group], pad_id)
-        hidden = decoder.norm(regressor.run_layers(decoder.embed_tokens(ids), mask, 0, len(decoder.layers)))
+        hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
         means = (hidden * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
         pooled[group] = means
     return pooled
@@ -91,7 +92,7 @@ def decode_seconds_per_token(engine: LLMEngine, prompts: list[str], max_tokens: 
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    rows = read_labels(args.labels)
+    rows = read_labels(args.labels, args.parts)
     val = [r for r in rows if r["split"] == "val"][: args.limit]
     train = [r for r in rows if r["split"] == "train"][: args.ridge_train]
     max_tokens = max(r["max_tokens"] for r in rows)
@@ -100,7 +101,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     engine = LLMEngine(hf_model, tokenizer, EngineConfig(model=args.model, max_batch_size=16, max_model_len=1024))
     labels = args.labels.resolve()
     shown = labels.relative_to(RESULTS.parents[2]) if labels.is_relative_to(RESULTS.parents[2]) else labels
-    report: dict = {"labels": str(shown), "val_prompts": len(val), "max_tokens": max_tokens, "edges": args.edges}
+    report: dict = {"labels": str(shown), "label_parts": args.parts, "val_prompts": len(val), "max_tokens": max_tokens,
+                    "edges": args.edges}
 
     print(f"baseline zero_shot on {len(val)} prompts", flush=True)
     guesses, failures = zero_shot(engine, [r["prompt"] for r in val], max_tokens)
@@ -116,21 +118,33 @@ def evaluate(args: argparse.Namespace) -> dict:
     print("lora predictor", flush=True)
     predictor = LengthPredictor(hf_model, tokenizer, PredictorConfig(adapter=str(args.adapter)))
     predicted = predictor.predict([r["prompt"] for r in val])
+    with_prompt = predictor.seconds / len(val)
     report["lora"] = length_metrics(predicted, actual, args.edges)
+
+    print("lora predictor again, with each prompt's KV handed in", flush=True)
+    prompt_ids = [chat_prompt_ids(tokenizer, r["prompt"]) for r in val]
+    _, entries = predictor.predict_with_kv(prompt_ids)
+    predictor.seconds = 0.0
+    again = predictor.predict_prompt_ids(prompt_ids, prefixes=entries)
+    suffix_only = predictor.seconds / len(val)
 
     print("cost: decode throughput on a batch of 16 val prompts", flush=True)
     seconds_per_token = decode_seconds_per_token(engine, [r["prompt"] for r in val[:16]], max_tokens)
-    predict_per_request = predictor.seconds / len(val)
     decode_per_request = seconds_per_token * sum(actual) / len(actual)
-    report["cost"] = {"predict_s_per_request": round(predict_per_request, 4),
+    report["cost"] = {"predict_s_per_request": round(suffix_only, 4),
+                      "predict_with_prompt_s_per_request": round(with_prompt, 4),
                       "decode_s_per_request": round(decode_per_request, 3),
-                      "predict_over_decode": round(predict_per_request / decode_per_request, 4)}
+                      "predict_over_decode": round(suffix_only / decode_per_request, 4),
+                      "predict_with_prompt_over_decode": round(with_prompt / decode_per_request, 4),
+                      "same_lengths_with_kv_handed_in": round(sum(a == b for a, b in zip(again, predicted)) / len(val),
+                                                              3)}
     return report
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--labels", type=Path, default=DEFAULT_LABELS)
+    parser.add_argument("--parts", type=int, default=None, help="only the first N label parts (default: all)")
     parser.add_argument("--adapter", type=Path, default=DEFAULT_ADAPTER)
     parser.add_argument("--model", default=EngineConfig().model)
     parser.add_argument("--limit", type=int, default=None, help="evaluate on the first N val prompts only")
@@ -148,7 +162,9 @@ def main(argv: list[str] | None = None) -> None:
         m = report[name]
         print(f"{name:{width}}  {m['mae']:6.1f} {m['within_50']:6.3f} {m['within_100']:6.3f} "
               f"{m['bin_accuracy']:8.3f} {m['under_rate']:6.3f}")
-    print(f"cost: prediction = {report['cost']['predict_over_decode']:.2%} of the decode time it schedules")
+    cost = report["cost"]
+    print(f"cost: prediction = {cost['predict_over_decode']:.2%} of the decode time it schedules with the prompt's "
+          f"KV shared, {cost['predict_with_prompt_over_decode']:.2%} with the prompt prefilled for it")
 
 
 if __name__ == "__main__":

@@ -68,9 +68,9 @@ def done_ids(out: Path) -> set[str]:
     return {i for p in parts for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()}
 
 
-def read_labels(folder: Path) -> list[dict]:
-    """All labelled rows of a label folder, in a fixed order (by id)."""
-    parts = sorted(Path(folder).glob("part-*.parquet"))
+def read_labels(folder: Path, parts: int | None = None) -> list[dict]:
+    """All labelled rows of a label folder (or of its first `parts` parts), in a fixed order (by id)."""
+    parts = sorted(Path(folder).glob("part-*.parquet"))[:parts]
     if not parts:
         raise FileNotFoundError(f"no label parts (part-*.parquet) in {folder}")
     rows = [row for p in parts for row in pq.read_table(p).to_pylist()]

@@ -1,20 +1,36 @@
 """The length predictor's network: the serving model's own transformer, a LoRA adapter on its top
-layers, and a one-unit head on the last token's hidden state.
+layers that is switched on only for the fixed length question (the suffix, predictor/prompt.py),
+and a one-unit head on the question's last final hidden state.
 
-LoRA only on the top layers is what makes training affordable on a CPU: the layers below are the
-unchanged serving model, so their output for each training prompt is computed once
-(`bottom_features`) and every epoch runs only the top layers. At prediction time the full model runs
-with the adapter switched on; with it off, the same weights are the plain serving model.
+The forward runs in two passes. The prompt goes through with the adapter off, which is exactly the
+serving model's plain prefill, so its KV cache is the one the decoder computes for that prompt
+anyway: it can be handed in (prediction then costs only the suffix) and handed on to the decoder.
+The suffix then runs with the adapter on, attending to that plain KV.
+
+That also makes training cheap: the prompt pass has no gradient and the layers below the first
+LoRA layer are the plain model for the suffix too, so for each training prompt the top layers'
+plain KV and the suffix's hidden states entering the first LoRA layer are computed once
+(`suffix_features`), and every epoch runs only the suffix's few tokens through the top layers.
 """
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from pydantic import BaseModel, Field
 from torch import nn
+from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [layers, kv_heads, length, head_dim] each, as PrefixEntry.kv
 
 
 class PredictorSettings(BaseModel):
@@ -25,10 +41,63 @@ class PredictorSettings(BaseModel):
     rank: int = Field(16, ge=1, description="LoRA rank.")
     alpha: int = Field(32, ge=1, description="LoRA alpha (scale = alpha / rank).")
     dropout: float = Field(0.05, ge=0, lt=1, description="LoRA dropout while training.")
+    adapter_on: Literal["suffix"] = Field(
+        "suffix", description="Tokens the adapter runs on: only the length question, over the prompt's plain KV. "
+        "Adapters saved without this field ran it on the prompt too and are refused by `load`.")
+
+    @classmethod
+    def load(cls, folder: Path) -> PredictorSettings:
+        raw = json.loads((Path(folder) / "settings.json").read_text())
+        if raw.get("adapter_on") != "suffix":
+            raise ValueError(f"adapter: {folder} was trained with the adapter on the prompt tokens as well (its "
+                             "settings.json lacks adapter_on: 'suffix'); this predictor runs the prompt through the "
+                             "plain model, so that adapter would be mis-used. Retrain it: python -m predictor.train")
+        return cls.model_validate(raw)
+
+
+@dataclass
+class PromptKV:
+    """Plain KV of a batch of prompts. `cache` layers hold [batch, kv_heads, width, head_dim], right
+    padded; `mask` [batch, width] marks real tokens; `lengths` [batch] counts them (= the next
+    position). Real tokens need not be contiguous: a prompt extended in two passes has padding
+    between its parts, which the attention mask hides and the positions skip."""
+
+    cache: DynamicCache
+    mask: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def empty(cls, config, batch: int) -> PromptKV:
+        return cls(DynamicCache(config=config), torch.zeros(batch, 0, dtype=torch.long),
+                   torch.zeros(batch, dtype=torch.long))
+
+    @classmethod
+    def stack(cls, config, rows: list[KV], first_layer: int = 0, dtype: torch.dtype | None = None) -> PromptKV:
+        """Batch per-prompt KV whose layers start at `first_layer` (the cache's lower layers stay empty)."""
+        layers, heads, _, dim = rows[0][0].shape
+        lengths = [k.shape[2] for k, _ in rows]
+        dtype = dtype or rows[0][0].dtype
+        keys = torch.zeros(2, layers, len(rows), heads, max(lengths), dim, dtype=dtype)
+        mask = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+        for i, (k, v) in enumerate(rows):
+            keys[0, :, i, :, : lengths[i]] = k
+            keys[1, :, i, :, : lengths[i]] = v
+            mask[i, : lengths[i]] = 1
+        cache = DynamicCache(config=config)
+        for j in range(layers):
+            cache.layers[first_layer + j].update(keys[0, j], keys[1, j])
+        return cls(cache, mask, torch.tensor(lengths))
+
+    def rows(self, first_layer: int = 0) -> list[KV]:
+        """Per-prompt KV of layers `first_layer`.., padding dropped (copies, safe to keep)."""
+        layers = self.cache.layers[first_layer:]
+        keys = torch.stack([layer.keys for layer in layers])
+        values = torch.stack([layer.values for layer in layers])
+        return [(keys[:, i][:, :, real], values[:, i][:, :, real]) for i, real in enumerate(self.mask.bool())]
 
 
 class LengthRegressor(nn.Module):
-    """Predicted length in tokens = max_tokens * sigmoid(head(final hidden state of the last token))."""
+    """Predicted length in tokens = max_tokens * sigmoid(head(final hidden state of the last suffix token))."""
 
     def __init__(self, decoder: nn.Module, max_tokens: int):
         super().__init__()
@@ -42,29 +111,83 @@ class LengthRegressor(nn.Module):
     def num_layers(self) -> int:
         return len(self.decoder.layers)
 
-    def run_layers(self, hidden: torch.Tensor, attention_mask: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Decoder layers [start, end) over right-padded hidden states."""
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.decoder.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                  cache=None, position_ids=positions)
+    def extend(self, kv: PromptKV, hidden: torch.Tensor, mask: torch.Tensor, start: int = 0,
+               end: int | None = None) -> tuple[torch.Tensor, PromptKV]:
+        """Decoder layers [start, end) over new tokens (`hidden` entering layer `start`, right padded,
+        `mask` marks real ones) that follow the tokens in `kv`; their KV is appended to kv.cache.
+        Returns their hidden states out of the last layer run, and the extended PromptKV."""
+        positions = kv.lengths[:, None] + torch.arange(hidden.shape[1], device=hidden.device)[None]
+        full = torch.cat([kv.mask, mask], dim=1)
+        # layer_idx: the training pass keeps only the top layers' KV, so the cache below `start` is empty
+        causal = create_causal_mask(config=self.decoder.config, inputs_embeds=hidden, attention_mask=full,
+                                    cache=kv.cache, position_ids=positions, layer_idx=start)
         rotary = self.decoder.rotary_emb(hidden, position_ids=positions)
         for layer in self.decoder.layers[start:end]:
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
-        return hidden
+            hidden = layer(hidden, attention_mask=causal, position_embeddings=rotary, position_ids=positions,
+                           cache=kv.cache)
+        return hidden, PromptKV(kv.cache, full, kv.lengths + mask.sum(dim=1))
 
-    def predict_from(self, hidden: torch.Tensor, attention_mask: torch.Tensor, start: int) -> torch.Tensor:
-        """Lengths (float tokens) from the hidden states entering layer `start`."""
-        hidden = self.decoder.norm(self.run_layers(hidden, attention_mask, start, self.num_layers))
-        last = hidden[torch.arange(hidden.shape[0]), attention_mask.sum(dim=1) - 1]
+    def suffix_lengths(self, kv: PromptKV, suffix: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Lengths (float tokens) from the suffix's hidden states entering layer `start` [batch, suffix,
+        hidden], over the prompts' KV; `kv` is left as it was (the suffix's KV is dropped again)."""
+        layers = [layer for layer in kv.cache.layers[start:] if layer.is_initialized]
+        saved = [(layer.keys, layer.values) for layer in layers]
+        try:
+            hidden, _ = self.extend(kv, suffix, torch.ones(suffix.shape[:2], dtype=torch.long), start)
+        finally:
+            for layer, (keys, values) in zip(layers, saved):
+                layer.keys, layer.values = keys, values
+        last = self.decoder.norm(hidden[:, -1])
         return self.max_tokens * torch.sigmoid(self.head(last.to(self.head.weight.dtype)).squeeze(-1))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.predict_from(self.decoder.embed_tokens(input_ids), attention_mask, 0)
 
-    @torch.no_grad()
-    def bottom_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, upto: int) -> torch.Tensor:
-        """Hidden states entering layer `upto`: what the frozen lower layers give for this batch."""
-        return self.run_layers(self.decoder.embed_tokens(input_ids), attention_mask, 0, upto)
+def regressor_of(model: LengthRegressor | PeftModel) -> LengthRegressor:
+    return model.base_model.model if isinstance(model, PeftModel) else model
+
+
+@contextmanager
+def adapter_off(model: nn.Module) -> Iterator[None]:
+    """The plain model inside: what PeftModel.disable_adapter does, but found from the LoRA layers
+    themselves, so a regressor that was wrapped in place is plain here too."""
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+@torch.no_grad()
+def prefill(model: LengthRegressor | PeftModel, ids: torch.Tensor, mask: torch.Tensor,
+            kv: PromptKV | None = None) -> tuple[PromptKV, torch.Tensor]:
+    """The plain serving model (adapter off) over right-padded prompt ids that follow `kv` (or start
+    fresh). Returns the extended KV and the new tokens' final hidden states (before the norm)."""
+    regressor = regressor_of(model)
+    kv = kv if kv is not None else PromptKV.empty(regressor.decoder.config, ids.shape[0])
+    with adapter_off(model):
+        hidden, kv = regressor.extend(kv, regressor.decoder.embed_tokens(ids), mask)
+    return kv, hidden
+
+
+def predict_lengths(model: LengthRegressor | PeftModel, kv: PromptKV, suffix_ids: torch.Tensor) -> torch.Tensor:
+    """Lengths for prompts whose plain KV is `kv`, from the suffix ids [batch, suffix] (adapter on)."""
+    regressor = regressor_of(model)
+    return regressor.suffix_lengths(kv, regressor.decoder.embed_tokens(suffix_ids))
+
+
+@torch.no_grad()
+def suffix_features(regressor: LengthRegressor, ids: torch.Tensor, mask: torch.Tensor, suffix_ids: torch.Tensor,
+                    start: int) -> tuple[list[KV], torch.Tensor]:
+    """What training needs of the plain model, once per prompt: each prompt's KV of layers start..
+    and the suffix's hidden states entering layer `start` [batch, suffix, hidden]."""
+    kv, _ = prefill(regressor, ids, mask)
+    rows = kv.rows(start)
+    with adapter_off(regressor):
+        embedded = regressor.decoder.embed_tokens(suffix_ids)
+        hidden, _ = regressor.extend(kv, embedded, torch.ones(suffix_ids.shape, dtype=torch.long), 0, start)
+    return rows, hidden
 
 
 def with_new_adapter(regressor: LengthRegressor, settings: PredictorSettings) -> PeftModel:
@@ -82,11 +205,11 @@ def with_saved_adapter(regressor: LengthRegressor, path: str) -> PeftModel:
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids and their attention mask (the last real token is read, so right is safe)."""
+    """Right-padded ids and their attention mask."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = torch.tensor(seq)
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         mask[row, : len(seq)] = 1
     return ids, mask

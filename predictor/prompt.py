@@ -24,10 +24,16 @@ class PredictionInput:
         self.suffix = tokenizer(SUFFIX, add_special_tokens=False)["input_ids"]
         self.max_tokens = max_tokens
 
-    def __call__(self, prompt_ids: list[int]) -> list[int]:
+    def cut(self, prompt_ids: list[int]) -> tuple[list[int], int]:
+        """The prompt part as the predictor reads it, and how many of its leading ids are the
+        decoder prompt's own (all of them unless the prompt was too long and lost its middle)."""
         if len(prompt_ids) > self.max_tokens:
-            prompt_ids = prompt_ids[: self.max_tokens - TAIL_TOKENS] + prompt_ids[-TAIL_TOKENS:]
-        return list(prompt_ids) + self.suffix
+            head = self.max_tokens - TAIL_TOKENS
+            return list(prompt_ids[:head]) + list(prompt_ids[-TAIL_TOKENS:]), head
+        return list(prompt_ids), len(prompt_ids)
+
+    def __call__(self, prompt_ids: list[int]) -> list[int]:
+        return self.cut(prompt_ids)[0] + self.suffix
 
 
 def prediction_ids(tokenizer, prompt: str) -> list[int]:

@@ -2,9 +2,12 @@
 
     python -m predictor.train                      # writes predictor/adapters/<model>/
 
-Resumable at two points: the frozen lower layers' output for each training prompt is computed once
-and cached in parts under --work, and every epoch ends with a checkpoint there; a rerun picks up
-from both. The split is the labels' own fixed hash split; only `train` rows are used here.
+The adapter runs only on the length question (predictor/model.py), so what the plain model gives
+for each training prompt never changes: its top layers' KV and the question's hidden states
+entering the first LoRA layer. They are computed once and cached in parts under --work (KV in
+float16), and every epoch runs only the question's tokens through the top layers. Resumable: the
+cache parts and a checkpoint after every epoch are picked up by a rerun with the same settings.
+The split is the labels' own fixed hash split; only `train` rows are trained on.
 """
 from __future__ import annotations
 
@@ -22,9 +25,10 @@ from engine.loader import default_cache_dir, load_hf_model, resolve_model_dir
 from predictor.labels import DEFAULT_OUT as DEFAULT_LABELS
 from predictor.labels import read_labels
 from predictor.metrics import length_metrics
-from predictor.model import LengthRegressor, PredictorSettings, pad_batch, with_new_adapter
+from predictor.model import (LengthRegressor, PredictorSettings, PromptKV, adapter_off, pad_batch, regressor_of,
+                             suffix_features, with_new_adapter)
 from predictor.predict import DEFAULT_ADAPTER
-from predictor.prompt import prediction_ids
+from predictor.prompt import PredictionInput, chat_prompt_ids
 
 DEFAULT_EDGES = [32, 64, 128, 256]
 
@@ -38,58 +42,74 @@ def length_batches(lengths: list[int], batch_size: int, rng: random.Random | Non
     return groups
 
 
-def cached_features(regressor: LengthRegressor, sequences: list[list[int]], upto: int, work: Path,
-                    batch_size: int, pad_id: int) -> list[torch.Tensor]:
-    """Hidden states entering layer `upto`, one [len, hidden] float16 tensor a prompt, cached in
-    parts so that an interrupted run keeps what it computed."""
+def cached_features(regressor: LengthRegressor, prompts: list[list[int]], suffix: list[int], start: int, work: Path,
+                    batch_size: int, pad_id: int) -> list[dict]:
+    """Per prompt: `keys`, `values` (float16, [layers from start, kv_heads, length, head_dim]) and
+    `suffix` (the question's hidden states entering layer `start`), cached in parts so that an
+    interrupted run keeps what it computed."""
     work.mkdir(parents=True, exist_ok=True)
-    features: list[torch.Tensor | None] = [None] * len(sequences)
-    groups = length_batches([len(s) for s in sequences], batch_size, None)
+    features: list[dict | None] = [None] * len(prompts)
+    groups = length_batches([len(p) for p in prompts], batch_size, None)
     per_part, started = 16, time.perf_counter()
     for first in range(0, len(groups), per_part):
-        part = work / f"features-{upto}-{first // per_part:05d}.pt"
-        chunk = groups[first : first + per_part]
+        part = work / f"features-{first // per_part:05d}.pt"
         if part.exists():
             stored = torch.load(part)
         else:
             stored = {}
-            for group in chunk:
-                ids, mask = pad_batch([sequences[i] for i in group], pad_id)
-                hidden = regressor.bottom_features(ids, mask, upto).to(torch.float16)
-                for row, i in enumerate(group):
-                    stored[i] = hidden[row, : len(sequences[i])].clone()
+            for group in groups[first : first + per_part]:
+                ids, mask = pad_batch([prompts[i] for i in group], pad_id)
+                rows, hidden = suffix_features(regressor, ids, mask, torch.tensor([suffix] * len(group)), start)
+                for (keys, values), state, i in zip(rows, hidden, group):
+                    stored[i] = {"keys": keys.half(), "values": values.half(), "suffix": state.clone()}
             torch.save(stored, part)
             done = min(first + per_part, len(groups))
             rate = done / (time.perf_counter() - started)
             print(f"features {done}/{len(groups)} batches  ETA {(len(groups) - done) / rate:.0f} s", flush=True)
-        for i, tensor in stored.items():
-            features[i] = tensor
+        for i, feature in stored.items():
+            features[i] = feature
     return features  # type: ignore[return-value]
 
 
-def _padded(features: list[torch.Tensor], group: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(features[i].shape[0] for i in group)
-    hidden = torch.zeros(len(group), width, features[group[0]].shape[1])
-    mask = torch.zeros(len(group), width, dtype=torch.long)
-    for row, i in enumerate(group):
-        hidden[row, : features[i].shape[0]] = features[i].float()
-        mask[row, : features[i].shape[0]] = 1
-    return hidden, mask
+def advanced(regressor: LengthRegressor, features: list[dict], have: int, start: int, batch_size: int) -> list[dict]:
+    """Features cached from a lower layer `have` made into those from `start`: the question's hidden
+    states go on through the plain layers between, whose KV is then dropped."""
+    if have == start:
+        return features
+    moved: list[dict | None] = [None] * len(features)
+    with torch.no_grad(), adapter_off(regressor):
+        for group in length_batches([f["keys"].shape[2] for f in features], batch_size, None):
+            kv = PromptKV.stack(regressor.decoder.config, [(features[i]["keys"], features[i]["values"]) for i in group],
+                                have, torch.float32)
+            suffix = torch.stack([features[i]["suffix"] for i in group])
+            hidden, _ = regressor.extend(kv, suffix, torch.ones(suffix.shape[:2], dtype=torch.long), have, start)
+            for row, i in enumerate(group):
+                skip = start - have
+                moved[i] = {"keys": features[i]["keys"][skip:], "values": features[i]["values"][skip:],
+                            "suffix": hidden[row]}
+    return moved  # type: ignore[return-value]
 
 
-def predict_cached(model, features: list[torch.Tensor], start: int, batch_size: int) -> list[float]:
+def batch_lengths(model, features: list[dict], group: list[int], start: int) -> torch.Tensor:
+    """Predicted lengths of a group of cached prompts: the question through the top layers."""
+    regressor = regressor_of(model)
+    kv = PromptKV.stack(regressor.decoder.config, [(features[i]["keys"], features[i]["values"]) for i in group],
+                        start, torch.float32)
+    return regressor.suffix_lengths(kv, torch.stack([features[i]["suffix"] for i in group]), start)
+
+
+def predict_cached(model, features: list[dict], start: int, batch_size: int) -> list[float]:
     model.eval()
     predictions = [0.0] * len(features)
     with torch.no_grad():
-        for group in length_batches([f.shape[0] for f in features], batch_size, None):
-            hidden, mask = _padded(features, group)
-            for i, value in zip(group, model.base_model.model.predict_from(hidden, mask, start).tolist()):
+        for group in length_batches([f["keys"].shape[2] for f in features], batch_size, None):
+            for i, value in zip(group, batch_lengths(model, features, group, start).tolist()):
                 predictions[i] = value
     return predictions
 
 
 def train(args: argparse.Namespace) -> dict:
-    rows = read_labels(args.labels)
+    rows = read_labels(args.labels, args.parts)
     train_rows = [r for r in rows if r["split"] == "train"]
     val_rows = [r for r in rows if r["split"] == "val"]
     max_tokens = max(r["max_tokens"] for r in rows)
@@ -100,34 +120,39 @@ def train(args: argparse.Namespace) -> dict:
     regressor = LengthRegressor(hf_model.model, max_tokens)
     start = regressor.num_layers - settings.lora_layers
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    encode = [prediction_ids(tokenizer, r["prompt"]) for r in train_rows + val_rows]
-    features = cached_features(regressor, encode, start, args.work / _work_key(args.labels, rows, start),
-                               args.batch, pad_id)
+    question = PredictionInput(tokenizer)
+    prompts = [question.cut(chat_prompt_ids(tokenizer, r["prompt"]))[0] for r in train_rows + val_rows]
+    key = _work_key(args.labels, rows, question.suffix)
+    have = _cached_start(args.work, key, start)
+    work = args.work / f"{key}-layer{have}"
+    began = time.perf_counter()
+    features = cached_features(regressor, prompts, question.suffix, have, work, args.batch, pad_id)
+    features = advanced(regressor, features, have, start, args.batch)
+    feature_seconds = time.perf_counter() - began
     train_features, val_features = features[: len(train_rows)], features[len(train_rows) :]
     targets = torch.tensor([float(r["label"]) for r in train_rows])
 
     torch.manual_seed(args.seed)
     model = with_new_adapter(regressor, settings)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
-    checkpoint = args.work / "checkpoint.pt"
-    first_epoch = 0
+    checkpoint = work / (f"checkpoint-l{settings.lora_layers}-r{settings.rank}-lr{args.lr}-b{args.batch}"
+                         f"-e{args.epochs}-s{args.seed}.pt")
+    first_epoch, history, train_seconds = 0, [], 0.0
     if checkpoint.exists():
         state = torch.load(checkpoint)
         model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
-        first_epoch = state["epoch"] + 1
+        first_epoch, history, train_seconds = state["epoch"] + 1, state["history"], state["seconds"]
         print(f"resuming after epoch {first_epoch}", flush=True)
     rng = random.Random(args.seed)
-    history = []
     for epoch in range(args.epochs):
-        groups = length_batches([f.shape[0] for f in train_features], args.batch, rng)
+        groups = length_batches([f["keys"].shape[2] for f in train_features], args.batch, rng)
         if epoch < first_epoch:
             continue  # keep the shuffles identical to an uninterrupted run
         model.train()
         started, total = time.perf_counter(), 0.0
         for step, group in enumerate(groups, 1):
-            hidden, mask = _padded(train_features, group)
-            predicted = model.base_model.model.predict_from(hidden, mask, start)
+            predicted = batch_lengths(model, train_features, group, start)
             loss = (predicted - targets[group]).abs().mean() / max_tokens
             optimizer.zero_grad()
             loss.backward()
@@ -138,17 +163,20 @@ def train(args: argparse.Namespace) -> dict:
                       f"  {time.perf_counter() - started:.0f} s", flush=True)
         val = length_metrics(predict_cached(model, val_features, start, args.batch), [r["label"] for r in val_rows],
                              args.edges) if val_rows else {}
+        train_seconds += time.perf_counter() - started
         history.append({"epoch": epoch + 1, "train_mae": round(total / len(groups), 1), "val": val})
         print(f"epoch {epoch + 1}: val {val}", flush=True)
         torch.save({"model": {k: v for k, v in model.state_dict().items() if "lora_" in k or "head" in k},
-                    "optimizer": optimizer.state_dict(), "epoch": epoch}, checkpoint)
+                    "optimizer": optimizer.state_dict(), "epoch": epoch, "history": history,
+                    "seconds": train_seconds}, checkpoint)
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     (args.out / "settings.json").write_text(settings.model_dump_json(indent=2))
-    summary = {"model": args.model, "train_prompts": len(train_rows), "val_prompts": len(val_rows),
-               "settings": settings.model_dump(), "lr": args.lr, "batch": args.batch, "epochs": args.epochs,
-               "seed": args.seed, "history": history}
+    summary = {"model": args.model, "label_parts": args.parts, "train_prompts": len(train_rows),
+               "val_prompts": len(val_rows), "settings": settings.model_dump(), "lr": args.lr, "batch": args.batch,
+               "epochs": args.epochs, "seed": args.seed, "feature_seconds": round(feature_seconds),
+               "train_seconds": round(train_seconds), "history": history}
     (args.out / "training.json").write_text(json.dumps(summary, indent=2))
     write_card(args.out, summary)
     return summary
@@ -158,20 +186,25 @@ def write_card(out: Path, summary: dict) -> None:
     """The adapter's card (replaces the generic one peft writes): data, split, settings, metrics."""
     last = summary["history"][-1]["val"] if summary["history"] else {}
     s = summary["settings"]
+    parts = "all parts" if summary.get("label_parts") is None else f"its first {summary['label_parts']} parts"
     lines = [
         "# Length-prediction adapter", "",
         f"LoRA (rank {s['rank']}, alpha {s['alpha']}, dropout {s['dropout']}) on the top {s['lora_layers']} decoder "
         f"layers of `{summary['model']}` (all attention and MLP projections), plus a one-unit head on the last "
         "token's final hidden state: predicted length = max_tokens x sigmoid(head). Input: the decoder's own chat "
-        "prompt followed by a fixed length question (predictor/prompt.py).", "",
+        "prompt followed by a fixed length question (predictor/prompt.py). The adapter is on only for the "
+        f"question (adapter_on: {s['adapter_on']}): the prompt runs through the plain model, so its KV cache is the "
+        "decoder's own and can be shared with it.", "",
         "## Data", "",
-        f"`predictor/data/labels`: the serving model's own greedy answers (loop stop on, max_tokens "
+        f"`predictor/data/labels` ({parts}): the serving model's own greedy answers (loop stop on, max_tokens "
         f"{s['max_tokens']}), label = answer length in tokens. Split by a fixed hash of each prompt's id "
         f"(predictor/labels.py): {summary['train_prompts']} train, {summary['val_prompts']} held out. "
         "Prompts come from train_pool.jsonl and sharegpt4k.jsonl, never from the evaluation question sets.", "",
         "## Training", "",
         f"{summary['epochs']} epochs, batch {summary['batch']}, AdamW lr {summary['lr']}, L1 loss on tokens, seed "
-        f"{summary['seed']}; lower layers frozen and their outputs cached (python -m predictor.train).", "",
+        f"{summary['seed']}; the plain model's part (the prompts' top-layer KV and the question's hidden states below "
+        f"the adapter) computed once in {summary['feature_seconds']} s, then {summary['train_seconds']} s of epochs "
+        "that run only the question through the top layers (python -m predictor.train).", "",
         "## Held-out metrics (last epoch)", "",
         "| MAE (tokens) | within 50 | within 100 | bin accuracy | under-predicted |", "|---|---|---|---|---|",
         f"| {last.get('mae')} | {last.get('within_50')} | {last.get('within_100')} | {last.get('bin_accuracy')} | "
@@ -181,17 +214,25 @@ def write_card(out: Path, summary: dict) -> None:
     (out / "README.md").write_text("\n".join(lines))
 
 
-def _work_key(labels: Path, rows: list[dict], start: int) -> str:
-    """Feature caches are only valid for the same prompts in the same order."""
+def _work_key(labels: Path, rows: list[dict], suffix: list[int]) -> str:
+    """Feature caches are only valid for the same prompts in the same order, and the same question."""
     import hashlib
 
-    digest = hashlib.sha256("\n".join(r["id"] for r in rows).encode()).hexdigest()[:12]
-    return f"{labels.name}-{digest}-layer{start}"
+    digest = hashlib.sha256("\n".join([*(r["id"] for r in rows), str(suffix)]).encode()).hexdigest()[:12]
+    return f"{labels.name}-{digest}-suffix"
+
+
+def _cached_start(work: Path, key: str, start: int) -> int:
+    """The first layer of the closest feature cache for these prompts at or below `start` (see
+    `advanced`), else `start`: trying fewer LoRA layers then costs no second pass over the prompts."""
+    found = [int(p.name.rsplit("-layer", 1)[1]) for p in work.glob(f"{key}-layer*")]
+    return max([s for s in found if s <= start], default=start)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--labels", type=Path, default=DEFAULT_LABELS, help="folder of label parquet parts")
+    parser.add_argument("--parts", type=int, default=None, help="only the first N label parts (default: all)")
     parser.add_argument("--model", default=EngineConfig().model, help="serving model (embedded default)")
     parser.add_argument("--out", type=Path, default=DEFAULT_ADAPTER, help="where the adapter is written")
     parser.add_argument("--work", type=Path, default=default_cache_dir() / "predictor-train",

@@ -2,102 +2,213 @@
 from __future__ import annotations
 
 import copy
+import json
 import random
 
 import pytest
 import torch
 
 from predictor.metrics import length_metrics
-from predictor.model import LengthRegressor, PredictorSettings, pad_batch, with_new_adapter
+from predictor.model import (LengthRegressor, PredictorSettings, PromptKV, pad_batch, predict_lengths, prefill,
+                             suffix_features, with_new_adapter)
 from predictor.predict import LengthPredictor, PredictorConfig
-from predictor.train import _padded, length_batches
+from predictor.prompt import PredictionInput
+from predictor.train import advanced, batch_lengths, length_batches
+
+SUFFIX = [7, 8, 9, 10, 11]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors gain nothing from threads, and on a shared CPU waiting for them costs 10x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
 def regressor(tiny_model):
     torch.manual_seed(0)
     model = LengthRegressor(copy.deepcopy(tiny_model).model, max_tokens=200)
-    torch.nn.init.normal_(model.head.weight, std=0.5)
+    torch.nn.init.normal_(model.head.weight, std=0.05)
     return model
+
+
+def adapted(regressor, lora_layers=1):
+    """A new adapter on the top layer(s), nudged so that it changes what the model computes."""
+    model = with_new_adapter(regressor, PredictorSettings(max_tokens=200, lora_layers=lora_layers, rank=4)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.3)
+    return model
+
+
+@pytest.fixture
+def saved(tiny_model, regressor, tmp_path):
+    """A saved adapter and a LengthPredictor on a fresh copy of the tiny model loading it."""
+    settings = PredictorSettings(max_tokens=200, lora_layers=1, rank=4)
+    adapted(regressor).save_pretrained(tmp_path)
+    (tmp_path / "settings.json").write_text(settings.model_dump_json())
+    return tmp_path
+
+
+def predictor_on(tiny_model, tiny_tokenizer, folder, batch_size=16) -> LengthPredictor:
+    return LengthPredictor(copy.deepcopy(tiny_model), tiny_tokenizer,
+                           PredictorConfig(adapter=str(folder), batch_size=batch_size))
 
 
 def sequences(n, seed=0):
     rng = random.Random(seed)
-    return [[rng.randrange(6, 256) for _ in range(rng.randrange(3, 20))] for _ in range(n)]
+    return [[rng.randrange(12, 256) for _ in range(rng.randrange(3, 20))] for _ in range(n)]
 
 
-def test_cached_lower_layers_then_upper_layers_equal_one_full_pass(regressor):
-    ids, mask = pad_batch(sequences(5), pad_id=0)
-    full = regressor(ids, mask)
-    features = regressor.bottom_features(ids, mask, upto=1)
-    assert torch.allclose(regressor.predict_from(features, mask, start=1), full, atol=1e-5)
-    assert ((full > 0) & (full < 200)).all()
+def two_pass(model, prompts):
+    kv, _ = prefill(model, *pad_batch(prompts, pad_id=0))
+    return predict_lengths(model, kv, torch.tensor([SUFFIX] * len(prompts)))
 
 
-def test_right_padding_does_not_change_a_prediction(regressor):
-    seqs = sequences(4, seed=1)
-    ids, mask = pad_batch(seqs, pad_id=0)
-    together = regressor(ids, mask)
-    for row, seq in enumerate(seqs):
-        alone = regressor(torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long))
-        assert torch.allclose(alone[0], together[row], atol=1e-4)
+def test_batched_predictions_equal_one_at_a_time(regressor):
+    model = adapted(regressor)
+    prompts = sequences(6, seed=1)
+    together = two_pass(model, prompts)
+    alone = torch.cat([two_pass(model, [p]) for p in prompts])
+    assert torch.allclose(together, alone, atol=1e-4)
+    assert ((together > 0) & (together < 200)).all() and together.std() > 1e-3
 
 
-def test_adapter_is_only_on_the_top_layers_and_off_means_the_plain_model(tiny_model, regressor):
-    model = with_new_adapter(regressor, PredictorSettings(max_tokens=200, lora_layers=1, rank=4))
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert names and all(".layers.1." in n or "head" in n for n in names)
-    ids, mask = pad_batch(sequences(3, seed=2), pad_id=0)
+def test_the_prompt_pass_is_the_plain_model_and_the_suffix_pass_is_adapted(tiny_model, regressor):
+    model = adapted(regressor)
+    prompts = sequences(4, seed=2)
+    kv, _ = prefill(model, *pad_batch(prompts, pad_id=0))
+    for (keys, values), prompt in zip(kv.rows(), prompts):
+        plain = tiny_model.model(input_ids=torch.tensor([prompt]), use_cache=True).past_key_values
+        assert keys.shape == (2, 2, len(prompt), 16)  # [layers, kv_heads, tokens, head_dim]
+        assert torch.allclose(keys, torch.stack([layer.keys[0] for layer in plain.layers]), atol=1e-5)
+        assert torch.allclose(values, torch.stack([layer.values[0] for layer in plain.layers]), atol=1e-5)
+    # the suffix does run through the adapter: with it off the same forward gives other lengths
+    with model.disable_adapter():
+        plain_lengths = predict_lengths(model, kv, torch.tensor([SUFFIX] * len(prompts)))
+    assert not torch.allclose(predict_lengths(model, kv, torch.tensor([SUFFIX] * len(prompts))), plain_lengths,
+                              atol=1e-2)
+
+
+def test_a_prompt_prefilled_in_two_parts_or_restacked_predicts_the_same(regressor):
+    model = adapted(regressor)
+    prompts = sequences(5, seed=3)
+    suffix = torch.tensor([SUFFIX] * len(prompts))
+    whole = two_pass(model, prompts)
+    first, _ = prefill(model, *pad_batch([p[: len(p) // 2] for p in prompts], pad_id=0))
+    both, _ = prefill(model, *pad_batch([p[len(p) // 2 :] for p in prompts], pad_id=0), first)
+    assert torch.allclose(predict_lengths(model, both, suffix), whole, atol=1e-4)
+    restacked = PromptKV.stack(regressor.decoder.config, both.rows())
+    assert torch.allclose(predict_lengths(model, restacked, suffix), whole, atol=1e-4)
+    assert torch.allclose(predict_lengths(model, restacked, suffix), whole, atol=1e-4)  # the suffix left no KV behind
+
+
+def test_training_features_then_top_layers_equal_the_full_two_pass_forward(regressor):
+    model = adapted(regressor, lora_layers=1)
+    prompts = sequences(5, seed=4)
+    rows, hidden = suffix_features(regressor, *pad_batch(prompts, pad_id=0), torch.tensor([SUFFIX] * 5), start=1)
+    assert rows[0][0].shape[0] == 1  # only the top layer's KV is kept
+    features = [{"keys": k.half(), "values": v.half(), "suffix": h} for (k, v), h in zip(rows, hidden)]
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.add_(0.5)  # make the adapter do something
-        with model.disable_adapter():
-            plain = model.base_model.model.decoder(input_ids=ids, attention_mask=mask).last_hidden_state
-        adapted = model.base_model.model.decoder(input_ids=ids, attention_mask=mask).last_hidden_state
-    reference = tiny_model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    assert torch.allclose(plain, reference, atol=1e-5)
-    assert not torch.allclose(adapted, reference, atol=1e-3)
+        cached = batch_lengths(model, features, list(range(5)), start=1)
+    assert torch.allclose(cached, two_pass(model, prompts), atol=0.05)  # the KV was stored in float16
+    # features cached for more LoRA layers serve fewer: the question moves on through the plain layers
+    rows, hidden = suffix_features(regressor, *pad_batch(prompts, pad_id=0), torch.tensor([SUFFIX] * 5), start=0)
+    lower = [{"keys": k, "values": v, "suffix": h} for (k, v), h in zip(rows, hidden)]
+    moved = advanced(regressor, lower, 0, 1, batch_size=2)
+    with torch.no_grad():
+        assert torch.allclose(batch_lengths(model, moved, list(range(5)), start=1), two_pass(model, prompts), atol=1e-4)
 
 
 def test_training_steps_fit_a_length_rule_and_the_saved_adapter_predicts_the_same(tiny_model, tiny_tokenizer,
                                                                                    regressor, tmp_path):
     settings = PredictorSettings(max_tokens=200, lora_layers=1, rank=4)
     model = with_new_adapter(regressor, settings)
-    seqs = sequences(32, seed=3)
-    targets = torch.tensor([10.0 * len(s) for s in seqs])  # a rule the model can learn: longer prompt, longer answer
-    features = [regressor.bottom_features(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long), 1)[0] for s in seqs]
+    prompts = sequences(32, seed=5)
+    targets = torch.tensor([10.0 * len(p) for p in prompts])  # a rule the model can learn: longer prompt, longer answer
+    question = PredictionInput(tiny_tokenizer).suffix
+    rows, hidden = suffix_features(regressor, *pad_batch(prompts, pad_id=0), torch.tensor([question] * 32), start=1)
+    features = [{"keys": k, "values": v, "suffix": h} for (k, v), h in zip(rows, hidden)]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
 
     def mae():
         with torch.no_grad():
-            hidden, mask = _padded(features, list(range(32)))
-            return (model.base_model.model.predict_from(hidden, mask, 1) - targets).abs().mean().item()
+            return (batch_lengths(model, features, list(range(32)), 1) - targets).abs().mean().item()
 
     before = mae()
+    model.train()
     for _ in range(25):
-        for group in length_batches([len(s) for s in seqs], 8, random.Random(0)):
-            hidden, mask = _padded(features, group)
-            loss = (model.base_model.model.predict_from(hidden, mask, 1) - targets[group]).abs().mean()
+        for group in length_batches([len(p) for p in prompts], 8, random.Random(0)):
+            loss = (batch_lengths(model, features, group, 1) - targets[group]).abs().mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-    assert mae() < before / 2
     model.eval()
+    assert mae() < before / 2
     model.save_pretrained(tmp_path)
     (tmp_path / "settings.json").write_text(settings.model_dump_json())
 
-    predictor = LengthPredictor(copy.deepcopy(tiny_model), tiny_tokenizer,
-                                PredictorConfig(adapter=str(tmp_path), batch_size=5))
-    got = predictor.predict_ids(seqs)
+    predictor = predictor_on(tiny_model, tiny_tokenizer, tmp_path, batch_size=5)
+    got = predictor.predict_ids([p + question for p in prompts])
     with torch.no_grad():
-        ids, mask = pad_batch(seqs, pad_id=0)
-        expected = model(ids, mask)
+        expected = batch_lengths(model, features, list(range(32)), 1)
     assert got == [max(1, min(200, int(torch.ceil(v)))) for v in expected]
     assert predictor.seconds > 0
-    # from decoder prompt ids: the fixed length question is appended, nothing else changes
-    suffix = predictor.input.suffix
-    assert suffix and predictor.predict_prompt_ids([seqs[0]]) == predictor.predict_ids([seqs[0] + suffix])
+    assert predictor.predict_prompt_ids([prompts[0]]) == [got[0]]
+    with pytest.raises(ValueError, match="length question"):
+        predictor.predict_ids([prompts[0]])
+
+
+def test_given_kv_gives_the_same_lengths_and_the_returned_kv_is_the_engines_own(tiny_model, tiny_tokenizer, saved,
+                                                                                make_engine):
+    predictor = predictor_on(tiny_model, tiny_tokenizer, saved, batch_size=3)
+    prompts = sequences(7, seed=6)
+    lengths, entries = predictor.predict_with_kv(prompts)
+    assert lengths == predictor.predict_prompt_ids(prompts)
+    engine = make_engine()
+    for prompt, entry in zip(prompts, entries):
+        assert entry.token_ids == tuple(prompt)
+        engine.prefill_prefix(prompt)
+        own = engine.export_prefix(prompt)
+        assert torch.allclose(entry.kv[0], own.kv[0], atol=1e-4) and torch.allclose(entry.kv[1], own.kv[1], atol=1e-4)
+        assert torch.allclose(entry.last_logits, own.last_logits, atol=1e-3)
+    # whole prompts handed in, leading parts handed in (from the engine), and a mix with none
+    assert predictor.predict_prompt_ids(prompts, prefixes=entries) == lengths
+    parts = []
+    for prompt in prompts[:4]:
+        engine.prefill_prefix(prompt[:2])
+        parts.append(engine.export_prefix(prompt[:2]))
+    assert predictor.predict_prompt_ids(prompts, prefixes=parts + [None, entries[5], None]) == lengths
+    again, shared = predictor.predict_with_kv(prompts, prefixes=parts + [None, entries[5], None])
+    assert again == lengths and shared[5] is entries[5]
+    assert all(torch.allclose(a.kv[0], b.kv[0], atol=1e-5) for a, b in zip(shared, entries))
+    with pytest.raises(ValueError, match="prefix"):
+        predictor.predict_prompt_ids(prompts[:1], prefixes=[entries[1]])
+
+
+def test_a_long_prompt_is_cut_and_only_its_own_leading_part_is_returned(tiny_model, tiny_tokenizer, saved):
+    predictor = predictor_on(tiny_model, tiny_tokenizer, saved)
+    predictor.input.max_tokens = 24  # keeps the first 8 tokens and the last 16
+    prompt = sequences(1, seed=7)[0] * 3
+    assert len(prompt) > 24
+    [length], [entry] = predictor.predict_with_kv([prompt])
+    assert entry.token_ids == tuple(prompt[:8]) and entry.kv[0].shape[2] == 8
+    [alone], [head] = predictor.predict_with_kv([prompt[:8]])
+    assert torch.allclose(entry.kv[0], head.kv[0], atol=1e-5)
+    assert torch.allclose(entry.last_logits, head.last_logits, atol=1e-4)
+    assert predictor.predict_prompt_ids([prompt], prefixes=[entry]) == [length]
+
+
+def test_an_adapter_trained_on_the_prompt_too_is_refused(tiny_model, tiny_tokenizer, saved):
+    settings = json.loads((saved / "settings.json").read_text())
+    del settings["adapter_on"]  # what adapters saved before the suffix-only forward look like
+    (saved / "settings.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="Retrain"):
+        predictor_on(tiny_model, tiny_tokenizer, saved)
 
 
 def test_predictor_without_an_adapter_names_it(tiny_model, tmp_path):
