@@ -71,7 +71,7 @@ class BatcherActor:
         self.observer = observer
         self._queued = asyncio.Event()  # set whenever a request may have become available
         self._loop_task: asyncio.Task | None = None
-        self._room = asyncio.Event()  # set whenever a dispatched micro-batch finishes
+        self._room = asyncio.Event()  # set whenever a dispatched request or micro-batch finishes
         self._out_batches = self._out_requests = 0  # pushed to decoders, not yet finished
         self.counts = {"predictions": 0, "prediction_failures": 0, "refused": 0}
 
@@ -170,13 +170,10 @@ class BatcherActor:
                         self._on_event(item["event"])
                         continue
                     if "result" in item:
-                        result = Result.model_validate(item["result"])
-                        self._settle(self.core.report_one(batch["id"], result), item["result"])
+                        result, refused = Result.model_validate(item["result"]), None
                     else:
-                        error = item["error"]
-                        refusal = _refusal(batch, error["request_id"])
-                        self._settle(self.core.report_one(batch["id"], refusal), refusal.model_dump(mode="json"),
-                                     refused=error["message"])
+                        result, refused = _refusal(batch, item["error"]["request_id"]), item["error"]["message"]
+                    self._settle(self.core.report_one(batch["id"], result), result, refused)
                     holding -= 1
                     self._out_requests -= 1
                     self._room.set()
@@ -223,14 +220,14 @@ class BatcherActor:
         """Hand in a batch's results (`Result` dicts); returns how many were final and answered.
         `refused` (request id -> why) answers those requests with a RequestFailed error; `partial`
         says the decoder failed partway (see Batcher.report)."""
-        final = {r.request_id: r for r in self.core.report(batch_id, [Result.model_validate(r) for r in results], partial)}
-        for raw in results:
-            rid = raw["request_id"]
-            self._settle(final.get(rid), raw, refused=(refused or {}).get(rid))
+        parsed = [Result.model_validate(r) for r in results]
+        final = {r.request_id: r for r in self.core.report(batch_id, parsed, partial)}
+        for result in parsed:
+            self._settle(final.get(result.request_id), result, (refused or {}).get(result.request_id))
         self._wake_if_pending()
         return len(final)
 
-    def _settle(self, final: Result | None, raw: dict, refused: str | None = None) -> None:
+    def _settle(self, final: Result | None, result: Result, refused: str | None = None) -> None:
         """Answer a request whose final result came (`final`), or note a cut attempt's kept tokens."""
         if final is not None:
             self._progress.pop(final.request_id, None)
@@ -244,8 +241,8 @@ class BatcherActor:
                     waiter.set_exception(RequestFailed(refused))
                 else:
                     waiter.set_result(final)
-        elif raw["finish_reason"] == FinishReason.CUT.value:  # the next attempt starts from its kept tokens
-            self._progress[raw["request_id"]] = list(raw["token_ids"])
+        elif result.finish_reason == FinishReason.CUT:  # the next attempt starts from its kept tokens
+            self._progress[result.request_id] = list(result.token_ids)
             if self.observer is not None:
                 self.observer.requeue()
             self._wake_if_pending()
