@@ -35,15 +35,26 @@ def _wait(predicate, timeout: float, what: str, proc=None):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def _decoder_replicas() -> dict:
+    return httpx.get(f"{BASE}/healthz", timeout=30).json().get("decoder_replicas", {})
+
+
 def _running_decoders() -> int:
-    health = httpx.get(f"{BASE}/healthz", timeout=30).json()
-    return health.get("decoder_replicas", {}).get("RUNNING", 0)
+    return _decoder_replicas().get("RUNNING", 0)
+
+
+def _settled() -> bool:
+    """No decoder replica starting or stopping: Ctrl-C in the middle of a scale-in has left
+    `serve run` hanging in its shutdown (seen twice in CI), and users stop an idle app anyway."""
+    replicas = _decoder_replicas()
+    return bool(replicas) and set(replicas) == {"RUNNING"}
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    # unbuffered, so that a shutdown that hangs shows in the log how far it got
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     serve_bin = Path(sys.executable).parent / "serve"
     with open(log, "w") as out:
         proc = subprocess.Popen([str(serve_bin), "run", "cluster/local.yaml"], cwd=REPO, env=env, stdout=out,
@@ -52,6 +63,10 @@ def served(tmp_path_factory):
         _wait(lambda: httpx.get(f"{BASE}/healthz", timeout=10).status_code == 200, 420, "the app to be ready", proc)
         yield proc
     finally:
+        try:
+            _wait(_settled, 120, "the decoder replicas to settle", proc)
+        except AssertionError:
+            pass  # shut down anyway: the shutdown itself is what is checked below
         # Ctrl-C on `serve run` itself (not its process group: Ray's own processes must stay up
         # while it shuts the application and then Ray down in order)
         proc.send_signal(signal.SIGINT)
