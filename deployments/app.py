@@ -18,15 +18,13 @@ from ray.serve.handle import DeploymentHandle
 
 from actors.batcher import BatcherActor
 from actors.context_cache import ContextCache
-from actors.decode_client import BatcherClient, HandleBatcher, Tokenizing
 from actors.decoder import DecoderReplica
 from actors.length_predictor import LengthPredictorReplica
+from actors.planner import PlannerReplica
 from deployments.api import create_app
-from deployments.completion_service import ApiLimits, CompletionService
 from deployments.config import AppConfig, load_app_config
 from deployments.metrics import BatcherMetrics, DecoderMetrics, PlannerMetrics
 from deployments.openai_schema import OpenAIRequest, RequestError
-from graph.orchestrator import AnswerConfig, Orchestrator
 
 # Serve's own request limit on an ingress replica sits this far above limits.max_queued_requests, so
 # every request reaches the ingress's count (and its quick 503) instead of waiting in Serve's proxy
@@ -71,38 +69,11 @@ class Batcher(BatcherActor):
 
 
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})
-class Planner:
-    """Checks and tokenizes requests, answers `ar` with one batcher request and `sot` / `plato` /
-    `auto` by planning (graph.orchestrator), every decode going through the batcher."""
+class Planner(PlannerReplica):
+    """The planner actor (actors.planner), with the app's health report."""
 
     def __init__(self, engine_config: dict, limits: dict, answer: dict, batcher: DeploymentHandle):
-        from engine.config import EngineConfig
-        from engine.loader import load_tokenizer_and_context
-
-        config = EngineConfig(**engine_config)
-        tokenizer, max_model_len = load_tokenizer_and_context(config)
-        name = config.served_model_name or config.model
-        client = BatcherClient(HandleBatcher(batcher), Tokenizing(tokenizer, name, max_model_len))
-        self.service = CompletionService(client, ApiLimits(**limits), Orchestrator(client, AnswerConfig(**answer)),
-                                         observer=PlannerMetrics())
-
-    async def complete(self, request: OpenAIRequest) -> dict:
-        try:
-            response = await self.service.complete(request)
-        except RequestError as exc:  # returned, not raised: Ray would wrap the exception type
-            return exc.to_data()
-        return response.model_dump()
-
-    async def stream(self, request: OpenAIRequest):
-        """Chunks of a streamed answer; a refused request yields one error dict instead."""
-        try:
-            async for chunk in self.service.stream(request):
-                yield chunk
-        except RequestError as exc:
-            yield exc.to_data()
-
-    async def info(self) -> dict:
-        return await self.service.info()
+        super().__init__(engine_config, limits, answer, batcher, observer=PlannerMetrics())
 
     async def health(self) -> dict:
         """Healthy while the decoder deployment is: Serve marks it unhealthy when replicas fail their

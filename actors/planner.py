@@ -1,0 +1,45 @@
+"""The planner actor: checks and tokenizes requests, answers `ar` with one batcher request and
+`sot` / `plato` / `auto` by planning (graph.orchestrator): it streams the plan from the decoders,
+parses it as it comes and sends each node through the batcher once its parents are answered.
+
+A thin shell: the work is in deployments.completion_service and graph.orchestrator; the Serve
+deployment (deployments.app.Planner) adds the health report."""
+from __future__ import annotations
+
+from actors.decode_client import BatcherClient, HandleBatcher, Tokenizing
+from deployments.completion_service import ApiLimits, CompletionService
+from deployments.openai_schema import OpenAIRequest, RequestError
+from graph.orchestrator import AnswerConfig, Orchestrator
+
+
+class PlannerReplica:
+    """`batcher` is the batcher deployment's handle (or anything with its `submit` and `stream`)."""
+
+    def __init__(self, engine_config: dict, limits: dict, answer: dict, batcher, observer=None):
+        from engine.config import EngineConfig
+        from engine.loader import load_tokenizer_and_context
+
+        config = EngineConfig(**engine_config)
+        tokenizer, max_model_len = load_tokenizer_and_context(config)
+        name = config.served_model_name or config.model
+        client = BatcherClient(HandleBatcher(batcher), Tokenizing(tokenizer, name, max_model_len))
+        self.service = CompletionService(client, ApiLimits(**limits), Orchestrator(client, AnswerConfig(**answer)),
+                                         observer=observer)
+
+    async def complete(self, request: OpenAIRequest) -> dict:
+        try:
+            response = await self.service.complete(request)
+        except RequestError as exc:  # returned, not raised: Ray would wrap the exception type
+            return exc.to_data()
+        return response.model_dump()
+
+    async def stream(self, request: OpenAIRequest):
+        """Chunks of a streamed answer; a refused request yields one error dict instead."""
+        try:
+            async for chunk in self.service.stream(request):
+                yield chunk
+        except RequestError as exc:
+            yield exc.to_data()
+
+    async def info(self) -> dict:
+        return await self.service.info()
