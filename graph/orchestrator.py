@@ -70,6 +70,10 @@ class AnswerConfig(BaseModel):
     max_tokens: int = Field(256, ge=1, description="Answer budget of `ar`, and of each mode's total.")
     plan_max_tokens: int = Field(160, ge=8, description="Most tokens the plan or skeleton may take.")
     node_max_tokens: int = Field(96, ge=1, description="Most tokens one plan node or outline point may take.")
+    nodes_per_budget: int = Field(
+        4, ge=1, description="Plan nodes and outline points share the answer budget: each may take max_tokens // "
+        "nodes_per_budget tokens (and at most node_max_tokens). 4 is the usual plan length; a node cannot wait "
+        "for the plan's final length, since it starts while the plan is still streaming.")
     max_nodes: int = Field(6, ge=2, le=20, description="Plan nodes kept after repair.")
     pipelining: bool = Field(True, description="Start nodes while the plan is still streaming.")
     kv_reuse: bool = Field(True, description="Prefill each node prompt's shared prefix once and reuse it.")
@@ -83,6 +87,12 @@ class AnswerConfig(BaseModel):
         "repeat a sub-question, and repair drops a repeated line, often leaving too few nodes. Measured on 24 "
         "planning-routed Vicuna questions with the embedded model: valid plans 16/24 at 0, 23/24 at 0.6, "
         "24/24 at 1.2 (mean nodes 2.25 -> 3.3).")
+
+
+def node_params(config: AnswerConfig) -> SamplingParams:
+    """Sampling params of one plan node or outline point: its share of the answer budget."""
+    tokens = max(1, min(config.node_max_tokens, config.max_tokens // config.nodes_per_budget))
+    return SamplingParams(max_tokens=tokens, stop_on_loop=config.stop_on_loop)
 
 
 class Answer(BaseModel):
@@ -146,7 +156,7 @@ class Orchestrator:
         points = [node.text for node in outline.nodes][: self.config.max_nodes]
         if len(points) < 2:
             return await self._ar(question, fallback="the outline had fewer than two points", spent=skeleton.completion_tokens)
-        point_params = SamplingParams(max_tokens=self.config.node_max_tokens, stop_on_loop=self.config.stop_on_loop)
+        point_params = node_params(self.config)
         prompts = [await self.client.encode_chat(sot_point_messages(question, points, i)) for i in range(1, len(points) + 1)]
         results = await asyncio.gather(
             *(self.client.generate(GenerationRequest(prompt_ids=p, params=point_params)) for p in prompts)
@@ -235,7 +245,7 @@ class _PlatoRun:
                 await self.client.prefill_prefix(prefix)
             messages = node_messages(self.question, plan_so_far, node, execution.parent_answers(node.id))
             ids = await self.client.encode_chat(messages)
-            params = SamplingParams(max_tokens=self.config.node_max_tokens, stop_on_loop=self.config.stop_on_loop)
+            params = node_params(self.config)
             result = await self.client.generate(GenerationRequest(prompt_ids=ids, params=params))
         except Exception as exc:  # one failed node must not sink the others
             execution.node_failed(node.id, f"decoding failed: {exc}")

@@ -195,3 +195,27 @@ def test_planning_prompts_share_their_instructions_as_a_cached_prefix(make_engin
         assert 0 < n < len(first.prompt_ids) and second.shared_prefix_len == n
         assert first.prompt_ids[:n] == second.prompt_ids[:n] and first.prompt_ids[n:] != second.prompt_ids[n:]
         assert two.prefix_hit_tokens >= n
+
+
+class BudgetRecordingClient(ScriptedClient):
+    """Also records the max_tokens of every node and outline point request."""
+
+    def __init__(self, plan_text: str):
+        super().__init__(plan_text)
+        self.node_budgets: list[int] = []
+
+    async def generate(self, request: GenerationRequest) -> Result:
+        prompt = self._text(request.prompt_ids)
+        if "in two or three sentences: " in prompt or "Write only point" in prompt:
+            self.node_budgets.append(request.params.max_tokens)
+        return await super().generate(request)
+
+
+@pytest.mark.parametrize("mode", ["plato", "sot"])
+@pytest.mark.parametrize(("max_tokens", "node_max_tokens", "each"), [(192, 192, 48), (192, 32, 32), (2, 96, 1)])
+def test_nodes_and_points_share_the_answer_budget(mode, max_tokens, node_max_tokens, each):
+    client = BudgetRecordingClient(DIAMOND)
+    config = AnswerConfig(max_tokens=max_tokens, node_max_tokens=node_max_tokens, nodes_per_budget=4)
+    result = asyncio.run(Orchestrator(client, config).answer("How do I paint a room?", mode))
+    parts = 4 if mode == "plato" else 3  # the diamond plan; the scripted outline has three points
+    assert result.mode == mode and client.node_budgets == [each] * parts
