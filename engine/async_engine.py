@@ -28,6 +28,11 @@ class _Subscriber:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _put_all(pushes: list[tuple[_Subscriber, object]]) -> None:
+    for subscriber, item in pushes:
+        subscriber.queue.put_nowait(item)
+
+
 def _abort_and_drop(engine: Engine, request_id: str) -> None:
     if engine.abort(request_id):
         engine.pop_result(request_id)
@@ -153,13 +158,15 @@ class AsyncEngine:
                 future.set_exception(EngineDeadError(f"engine loop stopped: {exc!r}"))
 
     def _deliver(self, events: list[TokenEvent]) -> None:
+        # one wake-up per event loop for the whole step: pushed one by one, a busy loop thread wakes
+        # at the first and its consumers see one request's token at a time instead of the step's
+        pending: dict[asyncio.AbstractEventLoop, list] = {}
         for event in events:
             subscriber = self._subscribers.get(event.request_id)
-            if event.finish_reason is None:
-                if subscriber:
-                    subscriber.push(event)
-                continue
-            result = self.engine.pop_result(event.request_id)  # always taken, so none piles up
+            items = [event]
+            if event.finish_reason is not None:
+                items.append(self.engine.pop_result(event.request_id))  # always taken, so none piles up
             if subscriber:
-                subscriber.push(event)
-                subscriber.push(result)
+                pending.setdefault(subscriber.loop, []).extend((subscriber, item) for item in items)
+        for loop, pushes in pending.items():
+            loop.call_soon_threadsafe(_put_all, pushes)
