@@ -25,7 +25,9 @@ from predictor.batcher import Batcher, BatcherConfig
 
 log = logging.getLogger(__name__)
 SendBatch = Callable[[dict], AsyncIterator[dict]]
-Predict = Callable[[list[int]], Awaitable[int]]
+# predict(prompt_ids, share) -> the length, or {"length", "kv_len"} where the predictor published the
+# KV of the prompt's first kv_len tokens to the context cache (asked with share=True)
+Predict = Callable[[list[int], bool], Awaitable["int | dict"]]
 
 
 class DispatchConfig(BaseModel):
@@ -122,15 +124,24 @@ class BatcherActor:
         return waiter
 
     async def _with_prediction(self, request: GenerationRequest) -> GenerationRequest:
+        """The request with its predicted length. A request without a shared prefix of its own asks
+        the predictor to share the prompt KV it computes anyway; the request then names that KV as
+        its shared prefix, which the decoder replica fetches instead of prefilling the prompt."""
         if request.predicted_len is not None or self._predict is None:
             return request
+        share = not request.shared_prefix_len
         try:
-            predicted = await asyncio.wait_for(self._predict(request.prompt_ids), self.dispatch.predict_timeout_s)
-            self.counts["predictions"] += 1
-            return request.model_copy(update={"predicted_len": predicted})
+            got = await asyncio.wait_for(self._predict(request.prompt_ids, share), self.dispatch.predict_timeout_s)
+            length, kv_len = (got["length"], got.get("kv_len", 0)) if isinstance(got, dict) else (got, 0)
+            update = {"predicted_len": length}
+            if share and 0 < kv_len <= len(request.prompt_ids):
+                update["shared_prefix_len"] = kv_len
+            parsed = GenerationRequest.model_validate({**request.model_dump(), **update})
         except Exception:  # the core's default bin takes it; counted, never fatal
             self.counts["prediction_failures"] += 1
             return request
+        self.counts["predictions"] += 1
+        return parsed
 
     # ---- push: the actor's own loop feeds the decoders -----------------------------------------
     async def _push_loop(self) -> None:

@@ -1,13 +1,20 @@
 """The length-predictor actor: batched `predict(prompt_ids) -> tokens` over `LengthPredictor`.
 
 Concurrent calls are gathered into one forward pass (Serve's `@serve.batch` when deployed; see
-deployments.app). It loads its own copy of the serving model; a decoder replica can instead serve
-predictions from its own weights (`DecoderReplica.predict`)."""
+deployments.app). It loads its own copy of the serving model.
+
+The predictor runs each prompt through the plain serving model before its length question, which
+is exactly the decoder's prefill. `predict_and_share_many` therefore publishes each prompt's KV to
+the shared context cache (as the decoders publish node prefixes), and the batcher marks the request
+so that the decoder replica fetches that KV instead of computing the prompt a second time: the
+prediction then costs only its ~16 question tokens on top of work the decoder needed anyway."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from engine.config import EngineConfig
+from graph.context_store import prefix_key
 from predictor.predict import LengthPredictor, PredictorConfig
 
 
@@ -21,16 +28,48 @@ def load_predictor(engine_config: EngineConfig, predictor_config: PredictorConfi
     return LengthPredictor(hf_model, tokenizer, predictor_config)
 
 
-class LengthPredictorReplica:
-    """Runs predictions off the event loop, one batch at a time."""
+log = logging.getLogger(__name__)
 
-    def __init__(self, engine_config: dict, predictor_config: dict):
-        self.predictor = load_predictor(EngineConfig(**engine_config), PredictorConfig(**predictor_config))
+
+class LengthPredictorReplica:
+    """Runs predictions off the event loop, one batch at a time. `context_cache`: a handle to the
+    ContextCache actor, where `predict_and_share_many` publishes prompt KV (None: nothing is shared).
+    `predictor`: an already built LengthPredictor (tests); otherwise one is loaded."""
+
+    def __init__(self, engine_config: dict, predictor_config: dict, context_cache=None, name: str = "predictor",
+                 predictor: LengthPredictor | None = None):
+        self.predictor = predictor or load_predictor(EngineConfig(**engine_config), PredictorConfig(**predictor_config))
+        self.cache = context_cache
+        self.name = name
         self._lock = asyncio.Lock()
+        self.counts = {"kv_shared": 0, "kv_share_failed": 0}
 
     async def predict_many(self, prompts: list[list[int]]) -> list[int]:
         async with self._lock:  # one forward pass at a time; torch uses the replica's cores
             return await asyncio.to_thread(self.predictor.predict_prompt_ids, prompts)
 
+    async def predict_and_share_many(self, prompts: list[list[int]]) -> list[dict]:
+        """{"length": tokens, "kv_len": n} per prompt, where the KV of the prompt's first n tokens (all
+        of it, unless it is longer than the predictor reads) is now in the context cache under
+        `prefix_key`; n is 0 where nothing was shared."""
+        if self.cache is None:
+            return [{"length": n, "kv_len": 0} for n in await self.predict_many(prompts)]
+        async with self._lock:
+            lengths, entries = await asyncio.to_thread(self.predictor.predict_with_kv, prompts)
+        return [{"length": n, "kv_len": await self._publish(entry)} for n, entry in zip(lengths, entries)]
+
+    async def _publish(self, entry) -> int:
+        import ray
+
+        try:
+            await self.cache.put_prefix.remote(prefix_key(list(entry.token_ids)), [ray.put(entry)], entry.nbytes,
+                                               self.name)
+        except Exception as exc:  # the decoder prefills the prompt itself, as without a predictor
+            self.counts["kv_share_failed"] += 1
+            log.warning("could not publish a prompt's KV to the context cache: %s", exc)
+            return 0
+        self.counts["kv_shared"] += 1
+        return len(entry.token_ids)
+
     async def stats(self) -> dict:
-        return {"predict_seconds": round(self.predictor.seconds, 3)}
+        return {"predict_seconds": round(self.predictor.seconds, 3), **self.counts}

@@ -50,11 +50,27 @@ class ContextCacheDeployment(ContextCache):
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 class LengthPredictor(LengthPredictorReplica):
-    """Predicted answer lengths; concurrent single calls are batched into one forward pass."""
+    """Predicted answer lengths; concurrent single calls are batched into one forward pass. Prompt KV
+    it computes goes to the context cache for the decoders (see actors.length_predictor)."""
+
+    def __init__(self, engine_config: dict, predictor_config: dict, context_cache: DeploymentHandle | None):
+        context = serve.get_replica_context()
+        super().__init__(engine_config, predictor_config, context_cache,
+                         name=getattr(context, "replica_tag", "predictor"))
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
     async def predict(self, prompts: list[list[int]]) -> list[int]:
         return await self.predict_many(prompts)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
+    async def predict_and_share(self, prompts: list[list[int]]) -> list[dict]:
+        return await self.predict_and_share_many(prompts)
+
+
+def _predict_through(predictor: DeploymentHandle):
+    def predict(prompt_ids: list[int], share: bool):
+        return (predictor.predict_and_share if share else predictor.predict).remote(prompt_ids)
+    return predict
 
 
 @serve.deployment(num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
@@ -64,7 +80,7 @@ class Batcher(BatcherActor):
     def __init__(self, config: dict, dispatch: dict, decoder: DeploymentHandle, predictor: DeploymentHandle | None):
         stream = decoder.options(stream=True)
         super().__init__(config, send_batch=lambda batch: stream.run_batch.remote(batch),
-                         predict=(lambda ids: predictor.predict.remote(ids)) if predictor is not None else None,
+                         predict=_predict_through(predictor) if predictor is not None else None,
                          dispatch=dispatch, observer=BatcherMetrics())
 
 
@@ -135,7 +151,7 @@ def build_app(args: dict | None = None) -> Application:
     engine = config.engine.model_dump()
     cache = ContextCacheDeployment.bind(config.context_cache.model_dump())
     decoder = Decoder.bind(engine, cache)
-    predictor = LengthPredictor.bind(engine, config.predictor.model_dump()) if config.predictor else None
+    predictor = LengthPredictor.bind(engine, config.predictor.model_dump(), cache) if config.predictor else None
     batcher = Batcher.bind(config.batcher.model_dump(), config.dispatch.model_dump(), decoder, predictor)
     planner = Planner.bind(engine, config.limits.model_dump(), config.answer.model_dump(), batcher)
     ingress = Ingress.options(max_ongoing_requests=config.limits.max_queued_requests + INGRESS_HEADROOM)

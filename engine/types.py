@@ -66,7 +66,8 @@ class GenerationRequest(BaseModel):
         0,
         ge=0,
         description="The first this-many prompt tokens are shared with other requests (a plan's node prompts): "
-        "the engine keeps their KV cache as a reusable prefix.",
+        "the engine keeps their KV cache as a reusable prefix. The whole prompt when the length predictor has "
+        "already computed its KV (the decoder fetches it rather than prefilling).",
     )
     resume_ids: list[int] = Field(
         default_factory=list,
@@ -77,8 +78,8 @@ class GenerationRequest(BaseModel):
     def _non_empty(self) -> "GenerationRequest":
         if not self.prompt_ids:
             raise ValueError("prompt_ids: the prompt is empty")
-        if self.shared_prefix_len >= len(self.prompt_ids):
-            raise ValueError("shared_prefix_len: must be shorter than the prompt")
+        if self.shared_prefix_len > len(self.prompt_ids):
+            raise ValueError("shared_prefix_len: must not be longer than the prompt")
         return self
 
 

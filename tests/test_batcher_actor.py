@@ -87,3 +87,52 @@ def test_a_prefix_computed_on_one_replica_is_fetched_by_another_through_the_cont
     assert second[0]["token_ids"] == first[0]["token_ids"]  # fetched KV decodes exactly as computed KV
     assert all(r["prefix_hit_tokens"] >= len(prefix) for r in second)
     assert ray.get(cache.stats.remote())["prefix_entries"] == 1
+
+
+def test_the_predictors_prompt_kv_reaches_the_decoder_so_the_prompt_is_not_prefilled_twice(
+        local_ray, make_engine, decode_alone, tiny_model, tiny_tokenizer, tmp_path):
+    """The batcher asks the length predictor to share the prompt KV it computes anyway; the predictor
+    publishes it to the ContextCache actor, the decoder replica fetches it instead of prefilling and
+    answers exactly as without it. A plan node keeps its own shared prefix: nothing is shared for it."""
+    import asyncio
+    import copy
+
+    from actors.batcher import BatcherActor
+    from actors.context_cache import ContextCache
+    from actors.decoder import DecoderReplica
+    from actors.length_predictor import LengthPredictorReplica
+    from predictor.model import LengthRegressor, PredictorSettings
+    from test_predictor import adapted, predictor_on
+
+    regressor = LengthRegressor(copy.deepcopy(tiny_model).model, max_tokens=200)
+    adapted(regressor).save_pretrained(tmp_path)
+    (tmp_path / "settings.json").write_text(PredictorSettings(max_tokens=200, lora_layers=1, rank=4).model_dump_json())
+    cache = ray.remote(ContextCache).options(num_cpus=0).remote({})
+    predictor = LengthPredictorReplica({}, {}, cache, name="p", predictor=predictor_on(tiny_model, tiny_tokenizer, tmp_path))
+    decoder = DecoderReplica({}, cache, name="d", engine=make_engine(max_batch_size=4))
+    shared_asked = []
+
+    async def predict(prompt_ids, share):
+        shared_asked.append(share)
+        call = predictor.predict_and_share_many if share else predictor.predict_many
+        return (await call([prompt_ids]))[0]
+
+    prompt = [5 + i % 40 for i in range(30)]
+    plain = GenerationRequest(id="plain", prompt_ids=prompt, params=SamplingParams(max_tokens=6, temperature=0.0))
+    node = GenerationRequest(id="node", prompt_ids=prompt[:20] + [9, 9], shared_prefix_len=20,
+                             params=SamplingParams(max_tokens=6, temperature=0.0))
+
+    async def main():
+        batcher = BatcherActor({"bins": {"edges": [8, 64]}}, send_batch=decoder.run_batch, predict=predict)
+        return [await batcher.submit(r.model_dump(mode="json")) for r in (plain, node)]
+
+    try:
+        plain_out, node_out = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        decoder.engine.shutdown()
+    assert shared_asked == [True, False]
+    assert predictor.counts == {"kv_shared": 1, "kv_share_failed": 0}
+    assert decoder.counts["prefix_fetched"] == 1 and decoder.counts["prefix_computed"] == 1  # the node's own prefix
+    assert plain_out["prefix_hit_tokens"] == len(prompt)  # nothing of the prompt prefilled again
+    assert plain_out["token_ids"] == decode_alone(prompt, max_tokens=6).token_ids
+    assert node_out["token_ids"] == decode_alone(node.prompt_ids, max_tokens=6).token_ids

@@ -97,7 +97,7 @@ def test_a_request_the_decoder_refuses_fails_with_its_reason_and_others_are_answ
 def test_predictions_are_asked_for_and_a_failing_predictor_means_the_default_bin():
     asked = []
 
-    async def predict(prompt_ids):
+    async def predict(prompt_ids, share):
         asked.append(prompt_ids)
         if len(asked) == 2:
             raise RuntimeError("predictor down")

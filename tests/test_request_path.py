@@ -24,7 +24,7 @@ def path(make_engine, tiny_tokenizer):
     decoder = DecoderReplica({}, engine=engine)
     asked = []
 
-    async def predict(prompt_ids):
+    async def predict(prompt_ids, share):
         asked.append(prompt_ids)
         return 7
 
