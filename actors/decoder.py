@@ -86,7 +86,7 @@ class DecoderReplica:
             if self.cache is not None and entry is not None:
                 import ray
 
-                await self.cache.put_prefix.remote(key, [ray.put(entry)], entry.nbytes, self.name)
+                await self.cache.put_prefix.remote(key, [ray.put(entry.to("cpu"))], entry.nbytes, self.name)
 
     async def _fetch(self, key: str) -> bool:
         payload = await self.cache.get_prefix.remote(key, self.name)

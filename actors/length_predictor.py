@@ -62,8 +62,8 @@ class LengthPredictorReplica:
         import ray
 
         try:
-            await self.cache.put_prefix.remote(prefix_key(list(entry.token_ids)), [ray.put(entry)], entry.nbytes,
-                                               self.name)
+            await self.cache.put_prefix.remote(prefix_key(list(entry.token_ids)), [ray.put(entry.to("cpu"))],
+                                               entry.nbytes, self.name)
         except Exception as exc:  # the decoder prefills the prompt itself, as without a predictor
             self.counts["kv_share_failed"] += 1
             log.warning("could not publish a prompt's KV to the context cache: %s", exc)

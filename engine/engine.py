@@ -297,8 +297,7 @@ class LLMEngine(Engine):
         expected = (layers, kv_heads, len(entry.token_ids), head_dim)
         if tuple(entry.kv[0].shape) != expected:
             raise ValueError(f"entry: KV shape {tuple(entry.kv[0].shape)} does not fit this model {expected}")
-        self.prefix_cache.put(PrefixEntry(tuple(entry.token_ids), tuple(t.to(self.runner.device) for t in entry.kv),
-                                          entry.last_logits.to(self.runner.device)))
+        self.prefix_cache.put(entry.to(self.runner.device))
 
     def stats(self) -> dict:
         cache = self.prefix_cache

@@ -19,6 +19,11 @@ class PrefixEntry:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.kv, self.last_logits))
 
+    def to(self, device) -> "PrefixEntry":
+        """The same entry with its tensors on `device` (on "cpu" before it goes into Ray's object
+        store: a process without a GPU cannot unpickle a CUDA tensor)."""
+        return PrefixEntry(tuple(self.token_ids), tuple(t.to(device) for t in self.kv), self.last_logits.to(device))
+
 
 @dataclass(frozen=True)
 class PrefixHandle:
