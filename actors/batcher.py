@@ -43,6 +43,11 @@ class DispatchConfig(BaseModel):
         "Decoder deployment's max_ongoing_requests times its replicas, so none waits in Serve's router. Requests "
         "that arrive one by one leave as micro-batches of one, so keep it near max_requests_in_flight.")
     predict_timeout_s: float = Field(5.0, gt=0, description="A prediction slower than this is skipped (default bin).")
+    stream_interval_s: float = Field(
+        0.05, ge=0, description="A streamed answer's tokens after its first are sent on at most this often, "
+        "those that arrived meanwhile as one event (as Ray Serve LLM batches streamed tokens, 50 ms by "
+        "default), so a fast engine does not pay one message per token on every hop to the client. "
+        "0: every engine step's token is sent on its own.")
 
 
 class RequestFailed(RuntimeError):
@@ -54,6 +59,21 @@ def _refusal(batch: dict, request_id: str) -> Result:
     prompt = next(r for r in batch["requests"] if r["id"] == request_id)["prompt_ids"]
     return Result(request_id=request_id, prompt_tokens=len(prompt), token_ids=[], text="",
                   finish_reason=FinishReason.ABORT, ttft_s=0.0, latency_s=0.0)
+
+
+def _drain(queue: asyncio.Queue) -> list:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+def _merged(events: list[dict]) -> dict:
+    """Consecutive TokenEvents (as dicts) of one request as one."""
+    if len(events) == 1:
+        return events[0]
+    return {**events[-1], "token_ids": [t for e in events for t in e["token_ids"]],
+            "text": "".join(e["text"] for e in events)}
 
 
 class BatcherActor:
@@ -96,16 +116,20 @@ class BatcherActor:
         listener: asyncio.Queue = asyncio.Queue()
         self._listeners[parsed.id] = listener
         waiter = self._enqueue(parsed)
+        interval, sent = self.dispatch.stream_interval_s, False
         try:
             while True:
                 getter = asyncio.ensure_future(listener.get())
                 await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 if getter.done():
-                    yield {"event": getter.result()}
+                    if sent and interval:  # the first token goes at once; later ones gather
+                        await asyncio.wait({waiter}, timeout=interval)
+                    yield {"event": _merged([getter.result(), *_drain(listener)])}
+                    sent = True
                     continue
                 getter.cancel()
-                while not listener.empty():
-                    yield {"event": listener.get_nowait()}
+                if not listener.empty():
+                    yield {"event": _merged(_drain(listener))}
                 yield {"result": waiter.result().model_dump(mode="json")}
                 return
         finally:

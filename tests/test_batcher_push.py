@@ -234,3 +234,32 @@ def test_a_finished_request_frees_its_slot_while_its_batch_mates_still_run():
         return batches_while_b_runs
 
     assert run(main()) == [["a", "b"], ["c"]]
+
+
+class SlowDecoder:
+    """One token every 10 ms for request "s", 20 tokens, like engine steps."""
+
+    async def __call__(self, batch: dict):
+        for token in range(20):
+            await asyncio.sleep(0.01)
+            yield [{"event": {"request_id": "s", "token_ids": [token], "text": f"<{token}>"}}]
+        yield [{"result": {"request_id": "s", "prompt_tokens": 2, "token_ids": list(range(20)), "text": "",
+                           "finish_reason": "stop", "ttft_s": 0.0, "latency_s": 0.0}}]
+
+
+@pytest.mark.parametrize("interval", [0.0, 0.05])
+def test_streamed_tokens_after_the_first_are_gathered_per_interval(interval):
+    async def main():
+        actor = BatcherActor({"bins": {"edges": [64]}}, send_batch=SlowDecoder(),
+                             dispatch={"stream_interval_s": interval})
+        return [item async for item in actor.stream(request("s"))]
+
+    items = run(main())
+    events = [i["event"] for i in items if "event" in i]
+    assert [t for e in events for t in e["token_ids"]] == list(range(20))
+    assert "".join(e["text"] for e in events) == "".join(f"<{t}>" for t in range(20))
+    assert events[0]["token_ids"] == [0] and "result" in items[-1]
+    if interval:
+        assert len(events) <= 10  # about five engine steps per message
+    else:
+        assert len(events) == 20
