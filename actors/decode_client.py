@@ -5,13 +5,10 @@
 locally, with the served model's tokenizer, and submits every request to the batcher."""
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import AsyncIterator
 
 from engine.base import chat_ids
 from engine.types import GenerationRequest, Result, TokenEvent
-
-REMEMBERED_PREFIXES = 256
 
 
 class Tokenizing:
@@ -47,7 +44,6 @@ class BatcherClient:
     def __init__(self, batcher, tokenizing: Tokenizing):
         self.batcher = batcher
         self.engine = tokenizing  # CompletionService reads model_name / max_model_len here
-        self._prefixes: deque[tuple[int, ...]] = deque(maxlen=REMEMBERED_PREFIXES)
 
     async def call(self, fn):
         return fn(self.engine)
@@ -55,21 +51,11 @@ class BatcherClient:
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.engine.encode_chat(messages, add_generation_prompt)
 
-    async def prefill_prefix(self, token_ids: list[int]) -> None:
-        """Remember the prefix: requests that start with it are marked `shared_prefix_len`, and the
-        decoder replica that runs them computes it once, or fetches it from the context cache."""
-        self._prefixes.append(tuple(token_ids))
-
-    def _mark(self, request: GenerationRequest) -> GenerationRequest:
-        prompt = tuple(request.prompt_ids)
-        shared = max((len(p) for p in self._prefixes if len(p) < len(prompt) and prompt[: len(p)] == p), default=0)
-        return request.model_copy(update={"shared_prefix_len": shared}) if shared else request
-
     async def generate(self, request: GenerationRequest) -> Result:
-        return Result.model_validate(await self.batcher.submit(self._mark(request).model_dump(mode="json")))
+        return Result.model_validate(await self.batcher.submit(request.model_dump(mode="json")))
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Result]:
-        async for item in self.batcher.stream(self._mark(request).model_dump(mode="json")):
+        async for item in self.batcher.stream(request.model_dump(mode="json")):
             if "event" in item:
                 yield TokenEvent.model_validate(item["event"])
             else:

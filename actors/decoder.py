@@ -1,9 +1,12 @@
 """The decoder replica: one engine loop that runs the micro-batches the batcher hands it and
 streams back every request's tokens and final result.
 
-Node prompts of a plan carry `shared_prefix_len`; before such a request runs, the replica makes
-sure it holds that prefix's KV: already here, else fetched from the shared context cache (computed
-by another replica), else computed here and published there for the others."""
+Node prompts of a plan carry `shared_prefix_len`; before such a request runs, the replica looks for
+that prefix's KV: already here, else fetched from the shared context cache (computed by another
+replica). Else the engine caches it as the request's own prompt is prefilled (no separate step,
+which would stall every sequence decoding here), and the replica publishes it to the context cache
+once that prefill is done, for the others. A whole prompt's KV (shared by the length predictor) is
+only ever fetched, never published: no other request starts with all of it."""
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +32,7 @@ class DecoderReplica:
         self.cache = context_cache
         self.name = name
         self._prefix_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._computing: set[str] = set()  # prefixes a running request's prefill is caching here
         self.observer = observer
         self.counts = {"prefix_local": 0, "prefix_fetched": 0, "prefix_computed": 0, "prefix_fetch_failed": 0}
 
@@ -38,17 +42,26 @@ class DecoderReplica:
         {"result": Result} for each request (or {"error": {"request_id", "message"}} for one the
         engine refuses)."""
         requests = [GenerationRequest.model_validate(r) for r in batch["requests"]]
+        publish: dict[str, list[int]] = {}  # request id -> the prefix its prefill computes here
         for request in requests:
-            if request.shared_prefix_len:
-                await self._ensure_prefix(request.prompt_ids[: request.shared_prefix_len])
+            prefix = request.prompt_ids[: request.shared_prefix_len]
+            if prefix and not await self._find_prefix(prefix) and len(prefix) < len(request.prompt_ids):
+                publish[request.id] = prefix
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(request: GenerationRequest) -> None:
+            prefix = publish.get(request.id)
             try:
                 async for item in self.engine.stream(request):
                     queue.put_nowait(item)
+                    if prefix is not None:  # the first item comes after its prefill: the prefix is cached
+                        await self._publish(prefix)
+                        prefix = None
             except Exception as exc:  # refused by the engine: the batcher answers it with the error
                 queue.put_nowait({"error": {"request_id": request.id, "message": f"{type(exc).__name__}: {exc}"}})
+            finally:
+                if prefix is not None:
+                    self._computing.discard(prefix_key(prefix))
 
         tasks = [asyncio.create_task(pump(r)) for r in requests]
         unfinished = len(requests)
@@ -73,20 +86,30 @@ class DecoderReplica:
             for task in tasks:
                 task.cancel()  # a consumer that stops early aborts what is still running
 
-    async def _ensure_prefix(self, token_ids: list[int]) -> None:
+    async def _find_prefix(self, token_ids: list[int]) -> bool:
+        """True when the engine here holds the prefix (or a running request is caching it) or it was
+        fetched from the context cache; False when this request's own prefill will compute it."""
         key = prefix_key(token_ids)
         async with self._prefix_locks[key]:
-            if await self.engine.call(lambda e: e.export_prefix(token_ids) is not None):
+            if key in self._computing or await self.engine.call(lambda e: e.export_prefix(token_ids) is not None):
                 self._count_prefix("local")
-                return
+                return True
             if self.cache is not None and await self._fetch(key):
-                return
-            entry = await self.engine.call(lambda e: (e.prefill_prefix(token_ids), e.export_prefix(token_ids))[1])
+                return True
             self._count_prefix("computed")
-            if self.cache is not None and entry is not None:
-                import ray
+            self._computing.add(key)
+            return False
 
-                await self.cache.put_prefix.remote(key, [ray.put(entry.to("cpu"))], entry.nbytes, self.name)
+    async def _publish(self, token_ids: list[int]) -> None:
+        key = prefix_key(token_ids)
+        self._computing.discard(key)
+        if self.cache is None:
+            return
+        entry = await self.engine.call(lambda e: e.export_prefix(token_ids))
+        if entry is not None:
+            import ray
+
+            await self.cache.put_prefix.remote(key, [ray.put(entry.to("cpu"))], entry.nbytes, self.name)
 
     async def _fetch(self, key: str) -> bool:
         payload = await self.cache.get_prefix.remote(key, self.name)

@@ -84,8 +84,6 @@ class LLMEngine(Engine):
             )
         if len(request.resume_ids) >= request.params.max_tokens:
             raise ValueError("resume_ids: already as long as max_tokens; nothing left to generate")
-        if request.shared_prefix_len:
-            self.prefill_prefix(request.prompt_ids[: request.shared_prefix_len])
         name = request.params.constraint
         constraint = make_constraint(name, self.tokenizer, request.resume_ids) if name is not None else None
         sequence = _Sequence(
@@ -150,7 +148,7 @@ class LLMEngine(Engine):
     def _admit(self) -> list[_Sequence]:
         """Move waiting requests into free slots and prefill them; returns the admitted ones."""
         admitted, items, budget = [], [], self.config.max_prefill_tokens
-        whole_prompt_cached = {}
+        whole_prompt_cached, caching = {}, set()
         while self._waiting and len(self._running) < self.runner.max_slots:
             sequence = self._waiting[0][2]
             todo = sequence.tokens
@@ -158,6 +156,11 @@ class LLMEngine(Engine):
             need = len(todo) - (len(hit.token_ids) if hit else 0)
             if admitted and need > budget:
                 break
+            shared = tuple(todo[: sequence.request.shared_prefix_len])
+            if shared and len(shared) > (len(hit.token_ids) if hit else 0):
+                if shared in caching:  # an earlier one caches it in this very prefill: wait a step, then reuse it
+                    break
+                caching.add(shared)
             heapq.heappop(self._waiting)
             self.prefix_cache.count(hit)
             budget -= need
@@ -170,14 +173,22 @@ class LLMEngine(Engine):
                 whole_prompt_cached[id(sequence)] = hit.last_logits
             sequence.cached = sequence.prefix_hit
             if need:
-                items.append(PrefillItem(sequence.slot, todo[sequence.prefix_hit :], sequence.prefix_hit))
+                shared = sequence.request.shared_prefix_len
+                # a shared prefix not cached yet is cached as this prefill passes it: no step of its own
+                items.append(PrefillItem(sequence.slot, todo[sequence.prefix_hit :], sequence.prefix_hit,
+                                         prefix_end=shared if shared > sequence.prefix_hit else 0))
         if not admitted:
             return []
         logits = self.runner.prefill(items) if items else None
+        prefix_rows = iter(range(len(items), len(logits))) if items else iter(())
         rows, row = [], 0
         for sequence in admitted:
             if sequence.cached < len(sequence.tokens):
                 self._stats["prefill_tokens"] += len(sequence.tokens) - sequence.cached
+                item = items[row]
+                if item.prefix_end:
+                    after = logits[next(prefix_rows)] if item.prefix_row() is not None else logits[row]
+                    self._cache_prefix(sequence, item.prefix_end, after)
                 rows.append(logits[row])
                 row += 1
                 sequence.cached = len(sequence.tokens)
@@ -185,6 +196,11 @@ class LLMEngine(Engine):
                 rows.append(whole_prompt_cached[id(sequence)])
         self._accept(admitted, torch.stack(rows))
         return admitted
+
+    def _cache_prefix(self, sequence: _Sequence, length: int, logits_after: torch.Tensor) -> None:
+        key = tuple(sequence.tokens[:length])
+        if self.prefix_cache.get(key) is None:
+            self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, length), logits_after.clone()))
 
     def _accept(self, batch: list[_Sequence], logits: torch.Tensor) -> None:
         """Append one sampled token to each sequence and decide whether it is done."""

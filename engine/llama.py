@@ -59,11 +59,19 @@ class _Layer:
 
 @dataclass
 class PrefillItem:
-    """One sequence to prefill: `token_ids` go into `slot` starting at cache position `start`."""
+    """One sequence to prefill: `token_ids` go into `slot` starting at cache position `start`.
+    `prefix_end`: also give the logits after cache position `prefix_end - 1` (the end of a shared
+    prefix that is cached as it is prefilled), when it falls inside this item and before its end."""
 
     slot: int
     token_ids: list[int]
     start: int
+    prefix_end: int = 0
+
+    def prefix_row(self) -> int | None:
+        """Offset in `token_ids` of the token whose logits `prefix_end` asks for, or None."""
+        end = self.start + len(self.token_ids)
+        return self.prefix_end - 1 - self.start if self.start < self.prefix_end < end else None
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -182,7 +190,8 @@ class LlamaRunner:
 
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
-        """Run the new tokens of several sequences packed together; returns logits of each last token."""
+        """Run the new tokens of several sequences packed together; returns logits of each last token,
+        then those of each item's `prefix_end` (in item order, for the items that ask)."""
         tokens = torch.tensor([t for it in items for t in it.token_ids], device=self.device)
         positions = torch.cat([torch.arange(it.start, it.start + len(it.token_ids)) for it in items])
         positions = positions.to(self.device)
@@ -202,8 +211,9 @@ class LlamaRunner:
                 out[lo:hi] = self._prefill_attention(q[lo:hi], i, it.slot, it.start, end)
             x = layer.o.add_to(x, out.reshape(len(tokens), -1))
             x = self._mlp(layer, x)
-        last = torch.tensor([hi - 1 for _, hi in bounds], device=self.device)
-        return self._logits(x[last])
+        rows = [hi - 1 for _, hi in bounds]
+        rows += [lo + it.prefix_row() for it, (lo, _) in zip(items, bounds) if it.prefix_row() is not None]
+        return self._logits(x[torch.tensor(rows, device=self.device)])
 
     def _prefill_attention(self, q: torch.Tensor, layer: int, slot: int, start: int, end: int):
         keys = self.k_cache[layer, slot, :, :end][None]

@@ -42,8 +42,6 @@ class DecodeClient(Protocol):
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Result]: ...
 
-    async def prefill_prefix(self, token_ids: list[int]) -> None: ...
-
 
 class EngineClient:
     """A DecodeClient over an in-process AsyncEngine."""
@@ -59,9 +57,6 @@ class EngineClient:
 
     def stream(self, request):
         return self.engine.stream(request)
-
-    async def prefill_prefix(self, token_ids):
-        await self.engine.call(lambda e: e.prefill_prefix(token_ids))
 
 
 class AnswerConfig(BaseModel):
@@ -239,14 +234,18 @@ class _PlatoRun:
         execution = self.execution
         try:
             plan_so_far = execution.plan
-            if self.config.kv_reuse:
-                prefix = await self.client.encode_chat(shared_prefix_messages(self.question, plan_so_far),
-                                                       add_generation_prompt=False)
-                await self.client.prefill_prefix(prefix)
             messages = node_messages(self.question, plan_so_far, node, execution.parent_answers(node.id))
             ids = await self.client.encode_chat(messages)
-            params = node_params(self.config)
-            result = await self.client.generate(GenerationRequest(prompt_ids=ids, params=params))
+            shared = 0
+            if self.config.kv_reuse:
+                # marked, not prefilled apart: the engine caches the prefix as this node's prompt is
+                # prefilled (a separate prefill step would stall the plan still being decoded), and
+                # later nodes whose prompts start with it reuse it
+                prefix = await self.client.encode_chat(shared_prefix_messages(self.question, plan_so_far),
+                                                       add_generation_prompt=False)
+                shared = len(prefix) if len(prefix) < len(ids) and ids[: len(prefix)] == prefix else 0
+            request = GenerationRequest(prompt_ids=ids, params=node_params(self.config), shared_prefix_len=shared)
+            result = await self.client.generate(request)
         except Exception as exc:  # one failed node must not sink the others
             execution.node_failed(node.id, f"decoding failed: {exc}")
             return

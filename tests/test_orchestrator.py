@@ -51,7 +51,9 @@ class ScriptedClient:
             self.log.append(f"node:{step}")
             if self.fail_on and self.fail_on in text:
                 raise RuntimeError("replica died")
-            hit = max((len(p) for p in self.prefixes if request.prompt_ids[: len(p)] == p), default=0)
+            hit = request.shared_prefix_len  # as if the engine had cached it
+            if hit:
+                self.prefixes.append(list(request.prompt_ids[:hit]))
             return self._result(request, f"answer to {text}", hit=hit)
         if "Write only point" in prompt:
             point = prompt.rsplit("Write only point ", 1)[1].split(" ")[0]
@@ -62,9 +64,6 @@ class ScriptedClient:
             return self._result(request, "1. Alpha\n2. Beta\n3. Gamma")
         self.log.append("ar")
         return self._result(request, "a plain answer")
-
-    async def prefill_prefix(self, token_ids):
-        self.prefixes.append(list(token_ids))
 
 
 def answer(client, mode, **config):
@@ -94,7 +93,7 @@ def test_without_pipelining_no_node_starts_before_the_plan_is_complete():
     assert first_node > client.log.index("plan:end")
 
 
-def test_kv_reuse_prefills_each_node_prefix_and_nodes_hit_it():
+def test_kv_reuse_marks_each_node_prompts_shared_prefix():
     client = ScriptedClient(DIAMOND)
     result = answer(client, "plato")
     assert len(client.prefixes) == 4

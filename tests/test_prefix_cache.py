@@ -2,6 +2,7 @@
 uses it through prefill_prefix."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.prefix_cache import PrefixCache, PrefixEntry
@@ -129,6 +130,27 @@ def test_shared_prefix_len_caches_the_prefix_and_later_prompts_reuse_it(make_eng
     assert again.token_ids == decode_alone(second, max_tokens=6).token_ids
 
 
+@pytest.mark.parametrize("whole_prompt", [False, True])
+def test_a_shared_prefix_is_cached_as_its_prompt_is_prefilled_not_in_a_step_of_its_own(make_engine, whole_prompt):
+    """The prefix's KV is taken from the request's own prefill: no token is computed twice, and the
+    entry (KV and the logits after it) equals one computed on its own by prefill_prefix."""
+    from engine.types import GenerationRequest, SamplingParams
+
+    prefix = [5 + (i * 11) % 230 for i in range(24)]
+    prompt = prefix if whole_prompt else prefix + [31, 32, 33]
+    engine, reference = make_engine(), make_engine()
+    calls, prefill = [], engine.runner.prefill
+    engine.runner.prefill = lambda items: calls.append(len(items)) or prefill(items)
+    engine.generate([GenerationRequest(prompt_ids=prompt, params=SamplingParams(max_tokens=3),
+                                       shared_prefix_len=len(prefix))])
+    assert calls == [1] and engine.stats()["prefill_tokens"] == len(prompt)
+    reference.prefill_prefix(prefix)
+    got, want = engine.export_prefix(prefix), reference.export_prefix(prefix)
+    assert got is not None and got.token_ids == want.token_ids
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got.kv, want.kv))
+    assert torch.allclose(got.last_logits, want.last_logits, atol=1e-4)
+
+
 def test_a_prefix_exported_from_one_engine_serves_another(make_engine, decode_alone):
     from engine.types import GenerationRequest, SamplingParams
 
@@ -141,3 +163,16 @@ def test_a_prefix_exported_from_one_engine_serves_another(make_engine, decode_al
     assert result.prefix_hit_tokens == len(prefix)
     assert result.token_ids == decode_alone(prompt, max_tokens=5).token_ids
     assert target.stats()["prefill_tokens"] == 3  # only the prompt's own tail was computed
+
+
+def test_requests_sharing_a_new_prefix_compute_it_once_even_when_they_arrive_together(make_engine, decode_alone):
+    from engine.types import GenerationRequest, SamplingParams
+
+    prefix = [9 + (i * 5) % 230 for i in range(32)]
+    prompts = [prefix + [40 + i, 41] for i in range(3)]
+    engine = make_engine(max_batch_size=4)
+    results = engine.generate([GenerationRequest(prompt_ids=p, params=SamplingParams(max_tokens=4),
+                                                 shared_prefix_len=len(prefix)) for p in prompts])
+    assert engine.stats()["prefill_tokens"] == len(prefix) + 3 * 2  # the prefix once, then each tail
+    assert [r.prefix_hit_tokens for r in results] == [0, len(prefix), len(prefix)]
+    assert [r.token_ids for r in results] == [decode_alone(p, max_tokens=4).token_ids for p in prompts]

@@ -81,16 +81,17 @@ def test_node_prompts_marked_with_a_shared_prefix_reuse_its_kv_on_the_replica(pa
     prefix = list(range(10, 50))
 
     async def main():
-        await client.prefill_prefix(prefix)
-        requests = [GenerationRequest(prompt_ids=prefix + [60 + i, 61], params=SamplingParams(max_tokens=4))
-                    for i in range(3)]
+        requests = [GenerationRequest(prompt_ids=prefix + [60 + i, 61], params=SamplingParams(max_tokens=4),
+                                      shared_prefix_len=len(prefix)) for i in range(3)]
         results = await asyncio.gather(*(client.generate(r) for r in requests))
         return results, await decoder.stats()
 
     results, stats = run(main())
     assert all(r.completion_tokens == 4 for r in results)
     assert stats["prefix_computed"] == 1 and stats["prefix_local"] == 2  # computed once, then found
-    assert sum(r.prefix_hit_tokens for r in results) == 3 * len(prefix)
+    # the first computes it in its own prefill; the others reuse it
+    assert sorted(r.prefix_hit_tokens for r in results) == [0, len(prefix), len(prefix)]
+    assert stats["prefill_tokens"] == len(prefix) + 3 * 2
 
 
 def test_a_decoder_streams_what_is_ready_at_once_as_one_message(make_engine):
