@@ -240,9 +240,13 @@ class _PlatoRun:
             if self.config.kv_reuse:
                 # marked, not prefilled apart: the engine caches the prefix as this node's prompt is
                 # prefilled (a separate prefill step would stall the plan still being decoded), and
-                # later nodes whose prompts start with it reuse it
-                prefix = await self.client.encode_chat(shared_prefix_messages(self.question, plan_so_far),
-                                                       add_generation_prompt=False)
+                # later nodes whose prompts start with it reuse it. While the plan streams, only the
+                # instructions and the question are common to every node: the plan message closes
+                # with an end-of-turn token, so a plan one line longer is not a token extension of it
+                common = shared_prefix_messages(self.question, plan_so_far)
+                if not execution.plan_is_complete:
+                    common = common[:-1]
+                prefix = await self.client.encode_chat(common, add_generation_prompt=False)
                 shared = len(prefix) if len(prefix) < len(ids) and ids[: len(prefix)] == prefix else 0
             request = GenerationRequest(prompt_ids=ids, params=node_params(self.config), shared_prefix_len=shared)
             result = await self.client.generate(request)

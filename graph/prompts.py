@@ -84,10 +84,10 @@ def shared_prefix_messages(question: str, plan: Plan) -> list[dict]:
     special token, and tokenizers split text at special tokens before merging, so nothing after
     that token can change the tokens before it.
 
-    While the plan is still streaming, pass the plan known so far. The instructions and the
-    question (the first two messages) are then already common to every node prompt, and since
-    repaired nodes never change once emitted, the partial plan's text is a text prefix of the
-    final plan's: a longest-prefix KV match reuses nearly all of it."""
+    While the plan is still streaming, only the first two messages (instructions and question) are
+    common to every node prompt: the plan message closes with an end-of-turn token, so the prompt of a
+    node that saw one more plan line does not start with this one's tokens (graph.orchestrator marks
+    just those two messages as shared until the plan is complete)."""
     return [
         {"role": "system", "content": NODE_SYSTEM},
         {"role": "user", "content": question},

@@ -218,3 +218,14 @@ def test_nodes_and_points_share_the_answer_budget(mode, max_tokens, node_max_tok
     result = asyncio.run(Orchestrator(client, config).answer("How do I paint a room?", mode))
     parts = 4 if mode == "plato" else 3  # the diamond plan; the scripted outline has three points
     assert result.mode == mode and client.node_budgets == [each] * parts
+
+
+def test_while_the_plan_streams_only_instructions_and_question_are_marked_shared():
+    """A node started mid-plan shares only what every node prompt starts with; once the plan is
+    complete, nodes share the plan too (the plan message's end-of-turn token would otherwise differ)."""
+    client = ScriptedClient(DIAMOND, line_delay=0.05)
+    answer(client, "plato")
+    texts = [ScriptedClient._text(p) for p in client.prefixes]
+    node_1, node_4 = texts[0], texts[-1]
+    assert "Plan:" not in node_1 and node_1.endswith("Q?")
+    assert "Plan:" in node_4 and "4. Join B and C" in node_4
