@@ -45,7 +45,7 @@ class DecoderReplica:
         publish: dict[str, list[int]] = {}  # request id -> the prefix its prefill computes here
         for request in requests:
             prefix = request.prompt_ids[: request.shared_prefix_len]
-            if prefix and not await self._find_prefix(prefix) and len(prefix) < len(request.prompt_ids):
+            if prefix and not await self._find_prefix(prefix):
                 publish[request.id] = prefix
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -55,7 +55,7 @@ class DecoderReplica:
                 async for item in self.engine.stream(request):
                     queue.put_nowait(item)
                     if prefix is not None:  # the first item comes after its prefill: the prefix is cached
-                        await self._publish(prefix)
+                        await self._publish(prefix, len(prefix) < len(request.prompt_ids))
                         prefix = None
             except Exception as exc:  # refused by the engine: the batcher answers it with the error
                 queue.put_nowait({"error": {"request_id": request.id, "message": f"{type(exc).__name__}: {exc}"}})
@@ -100,10 +100,12 @@ class DecoderReplica:
             self._computing.add(key)
             return False
 
-    async def _publish(self, token_ids: list[int]) -> None:
+    async def _publish(self, token_ids: list[int], to_cache: bool = True) -> None:
+        """The prefix is cached here now; hand it to the context cache too, unless it is a whole
+        prompt (`to_cache` False: no other request starts with all of it)."""
         key = prefix_key(token_ids)
         self._computing.discard(key)
-        if self.cache is None:
+        if self.cache is None or not to_cache:
             return
         entry = await self.engine.call(lambda e: e.export_prefix(token_ids))
         if entry is not None:

@@ -134,5 +134,6 @@ def test_the_predictors_prompt_kv_reaches_the_decoder_so_the_prompt_is_not_prefi
     assert predictor.counts == {"kv_shared": 1, "kv_share_failed": 0}
     assert decoder.counts["prefix_fetched"] == 1 and decoder.counts["prefix_computed"] == 1  # the node's own prefix
     assert plain_out["prefix_hit_tokens"] == len(prompt)  # nothing of the prompt prefilled again
+    assert not decoder._computing  # every prefix computed here was handed on or dropped
     assert plain_out["token_ids"] == decode_alone(prompt, max_tokens=6).token_ids
     assert node_out["token_ids"] == decode_alone(node.prompt_ids, max_tokens=6).token_ids
