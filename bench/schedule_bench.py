@@ -18,10 +18,18 @@ Policies (bench/schedule_policies.py says how each is run and counted):
 
 Predictions come from the trained adapter (`--adapter`); their time counts against the policies
 that use them. Writes bench/results/schedule.json and schedule.png.
+
+Each policy's run is kept in `--store` (bench/results/schedule_runs/<workload signature>/) as it
+finishes, with the predictions, so the full run (1,024 requests, about half an hour per policy on
+a 2-core CPU) can be done a few policies at a time (`--policies`) and resumes after an interruption;
+the comparison is written when all six are there.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import json
 import operator
 import random
 import statistics
@@ -85,22 +93,63 @@ def policy_configs(edges: list[int], max_tokens: int, token_budget: int) -> dict
     }
 
 
+POLICIES = ("continuous", "vanilla", "predicted", HEADLINE, "oracle", "continuous+predicted")
+
+
+class RunStore:
+    """Finished policy runs of one workload, one JSON file each, so that a run of all six policies
+    on 1,024 requests (hours on a 2-core CPU) can be split across invocations (`--policies`) and
+    survive an interruption. The folder is named by a signature of everything a run depends on."""
+
+    def __init__(self, root: Path, signature: dict):
+        digest = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:12]
+        self.folder = root / digest
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "signature.json").write_text(json.dumps(signature, indent=1, sort_keys=True))
+
+    def _path(self, name: str) -> Path:
+        return self.folder / f"{name.replace('+', '_')}.json"
+
+    def load(self, name: str) -> PolicyRun | None:
+        path = self._path(name)
+        return PolicyRun(**json.loads(path.read_text())) if path.exists() else None
+
+    def save(self, name: str, run: PolicyRun) -> None:
+        tmp = self._path(name).with_suffix(".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(run)))
+        tmp.replace(self._path(name))
+
+
 def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: list[Job], params: SamplingParams,
-                 edges: list[int], prediction_s: float) -> dict[str, PolicyRun]:
+                 edges: list[int], prediction_s: float, store: RunStore | None = None,
+                 only: set[str] | None = None) -> dict[str, PolicyRun]:
     """Every policy on the same jobs; static batches on `static_engine` (slots for the largest
-    variable-size batch), continuous batching on `continuous_engine` (VANILLA_BATCH slots)."""
+    variable-size batch), continuous batching on `continuous_engine` (VANILLA_BATCH slots).
+    With `store`, a policy it already holds is taken from it and each new run is saved there;
+    with `only`, the other policies are not run (only taken from the store)."""
     predicted, labels = [j.predicted for j in jobs], [j.label for j in jobs]
     budget = round(VANILLA_BATCH * (statistics.mean(len(j.prompt_ids) for j in jobs) + params.max_tokens))
     configs = policy_configs(edges, params.max_tokens, budget)
+    lengths_of = {"continuous": None, "vanilla": None, "predicted": predicted, HEADLINE: predicted,
+                  "oracle": labels, "continuous+predicted": predicted}
     runs = {}
-    for name, lengths in (("continuous", None), ("vanilla", None), ("predicted", predicted), (HEADLINE, predicted),
-                          ("oracle", labels), ("continuous+predicted", predicted)):
+    for name in POLICIES:
+        done = store.load(name) if store is not None else None
+        if done is not None:
+            runs[name] = done
+            print(f"{name}: {done.wall_s:.1f} s (from {store.folder})", flush=True)
+            continue
+        if only is not None and name not in only:
+            continue
+        lengths = lengths_of[name]
         if name.startswith("continuous"):
             runs[name] = run_continuous(continuous_engine, jobs, params, lengths)
         else:
             runs[name] = run_binned(static_engine, jobs, params, configs[name], lengths)
         if lengths is predicted:
             runs[name].prediction_s = prediction_s
+        if store is not None:
+            store.save(name, runs[name])
         print(f"{name}: {runs[name].wall_s:.1f} s", flush=True)
     return runs
 
@@ -164,7 +213,15 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--labels", type=Path, default=DEFAULT_LABELS, help="folder of the label parts")
     parser.add_argument("--adapter", type=Path, default=DEFAULT_ADAPTER, help="trained length adapter")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", default=None,
+                        help=f"comma-separated subset to run now (default all: {','.join(POLICIES)}); runs are kept "
+                        "in --store, and the comparison is written once all six are there")
+    parser.add_argument("--store", type=Path, default=RESULTS / "schedule_runs",
+                        help="folder of finished policy runs, per workload (reused when the workload is the same)")
     args = parser.parse_args(argv)
+    only = set(args.policies.split(",")) if args.policies else None
+    if only is not None and not only <= set(POLICIES):
+        raise SystemExit(f"--policies: unknown {sorted(only - set(POLICIES))}; known: {', '.join(POLICIES)}")
     if not (args.adapter / "settings.json").exists():
         raise SystemExit(f"--adapter: no trained length adapter in {args.adapter}; train one with "
                          f"python -m predictor.train, or pass --adapter FOLDER")
@@ -186,11 +243,28 @@ def run(argv: list[str]) -> dict:
     for engine in (continuous, static):  # first calls allocate and pick kernels
         engine.generate([GenerationRequest(prompt_ids=ids[0], params=SamplingParams(max_tokens=4))])
 
-    predictor = LengthPredictor(hf_model, tokenizer, PredictorConfig(adapter=str(args.adapter)))
-    predictions = predictor.predict([r["prompt"] for r in chosen])
+    store = RunStore(args.store, {
+        "n": n, "seed": args.seed, "rows": [r["id"] for r in chosen], "labels": [r["label"] for r in chosen],
+        "adapter": hashlib.sha256(b"".join(f.read_bytes() for f in sorted(args.adapter.iterdir()) if f.is_file()))
+        .hexdigest(), "model": config.model, "max_tokens": max_tokens, "edges": EDGES,
+        "vanilla_batch": VANILLA_BATCH, "vbs_max_batch": VBS_MAX_BATCH})
+    saved = store.folder / "predictions.json"
+    if saved.exists():  # the same predictions (and their measured cost) for every part of the run
+        kept = json.loads(saved.read_text())
+        predictions, prediction_s = kept["predicted"], kept["seconds"]
+    else:
+        predictor = LengthPredictor(hf_model, tokenizer, PredictorConfig(adapter=str(args.adapter)))
+        predictions = predictor.predict([r["prompt"] for r in chosen])
+        prediction_s = predictor.seconds
+        saved.write_text(json.dumps({"predicted": predictions, "seconds": prediction_s}))
     jobs = [Job(id=f"r{i:05d}", prompt_ids=p, label=r["label"], predicted=q)
             for i, (r, p, q) in enumerate(zip(chosen, ids, predictions))]
-    runs = run_policies(static, continuous, jobs, params, EDGES, predictor.seconds)
+    runs = run_policies(static, continuous, jobs, params, EDGES, prediction_s, store=store, only=only)
+    missing = [name for name in POLICIES if name not in runs]
+    if missing:
+        print(f"kept in {store.folder}: {', '.join(runs) or 'nothing yet'}; still to run: {', '.join(missing)} "
+              f"(python -m bench schedule ... --policies {','.join(missing)})")
+        return {}
 
     result = compare(runs, jobs)
     policies = result.pop("policies")
@@ -202,7 +276,7 @@ def run(argv: list[str]) -> dict:
                      "label_mean": statistics.mean(j.label for j in jobs),
                      "prompt_tokens_mean": statistics.mean(map(len, ids)),
                      "prompt_tokens_differ_from_labels": sum(len(p) != r["prompt_tokens"] for p, r in zip(ids, chosen))},
-        "predictor": {"adapter": str(args.adapter), "seconds": predictor.seconds,
+        "predictor": {"adapter": str(args.adapter), "seconds": prediction_s,
                       **length_metrics(predictions, [j.label for j in jobs], EDGES)},
         "policies": policies,
         "requests": [{"id": r["id"], "label": j.label, "predicted": j.predicted,

@@ -171,3 +171,28 @@ def test_workload_is_held_out_seeded_and_repeats_only_when_short():
 def test_a_missing_adapter_stops_the_bench_naming_the_option(tmp_path):
     with pytest.raises(SystemExit, match="--adapter"):
         run(["--adapter", str(tmp_path), "-n", "4"])
+
+
+def test_policy_runs_are_kept_and_a_later_invocation_runs_only_what_is_missing(workload, tmp_path):
+    from bench.schedule_bench import POLICIES, RunStore
+
+    jobs, _, runs = workload
+    store = RunStore(tmp_path, {"n": len(jobs)})
+    for name in ("vanilla", "oracle"):
+        store.save(name, runs[name])
+
+    class NoEngine:  # any policy actually run would touch the engine and fail here
+        def __getattr__(self, name):
+            raise AssertionError(f"engine used: {name}")
+
+    kept = run_policies(NoEngine(), NoEngine(), jobs, PARAMS, EDGES, PREDICTION_S, store=store, only=set())
+    assert set(kept) == {"vanilla", "oracle"}
+    assert kept["vanilla"] == runs["vanilla"] and kept["oracle"].answers == runs["oracle"].answers
+    assert RunStore(tmp_path, {"n": len(jobs)}).folder == store.folder  # same workload, same folder
+    assert RunStore(tmp_path, {"n": len(jobs) + 1}).folder != store.folder
+    assert set(POLICIES) == set(runs)
+
+
+def test_an_unknown_policy_name_stops_the_bench_naming_the_option():
+    with pytest.raises(SystemExit, match="--policies: unknown"):
+        run(["--policies", "vanilla,fastest"])
