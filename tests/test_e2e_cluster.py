@@ -5,6 +5,7 @@ and back, watched through Serve's status (the /healthz report); then a clean shu
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,11 +69,20 @@ def served(tmp_path_factory):
         except AssertionError:
             pass  # shut down anyway: the shutdown itself is what is checked below
         # Ctrl-C on `serve run` itself (not its process group: Ray's own processes must stay up
-        # while it shuts the application and then Ray down in order)
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
+        # while it shuts the application and then Ray down in order). In CI a Ctrl-C has twice gone
+        # unanswered (no "Got KeyboardInterrupt" in the log at all); a user presses it again, so
+        # does this, but only while that line is missing: a second one during the shutdown would cut it
+        for _ in range(3):
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+                break
+            except subprocess.TimeoutExpired:
+                if "KeyboardInterrupt" in log.read_text():  # shutting down: give it time, never cut it
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=120)
+                    break
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError("serve run did not shut down cleanly:\n" + log.read_text()[-3000:])
     assert proc.returncode is not None
