@@ -156,11 +156,13 @@ class LLMEngine(Engine):
             need = len(todo) - (len(hit.token_ids) if hit else 0)
             if admitted and need > budget:
                 break
-            shared = tuple(todo[: sequence.request.shared_prefix_len])
-            if shared and len(shared) > (len(hit.token_ids) if hit else 0):
-                if shared in caching:  # an earlier one caches it in this very prefill: wait a step, then reuse it
+            # a shared prefix not cached yet is cached as this prefill passes it: no step of its own
+            shared = sequence.request.shared_prefix_len
+            to_cache = shared if shared > len(todo) - need else 0
+            if to_cache:
+                if tuple(todo[:to_cache]) in caching:  # an earlier one caches it in this prefill: wait, reuse it
                     break
-                caching.add(shared)
+                caching.add(tuple(todo[:to_cache]))
             heapq.heappop(self._waiting)
             self.prefix_cache.count(hit)
             budget -= need
@@ -173,10 +175,8 @@ class LLMEngine(Engine):
                 whole_prompt_cached[id(sequence)] = hit.last_logits
             sequence.cached = sequence.prefix_hit
             if need:
-                shared = sequence.request.shared_prefix_len
-                # a shared prefix not cached yet is cached as this prefill passes it: no step of its own
                 items.append(PrefillItem(sequence.slot, todo[sequence.prefix_hit :], sequence.prefix_hit,
-                                         prefix_end=shared if shared > sequence.prefix_hit else 0))
+                                         prefix_end=to_cache))
         if not admitted:
             return []
         logits = self.runner.prefill(items) if items else None
