@@ -19,8 +19,8 @@ Policies (bench/schedule_policies.py says how each is run and counted):
 Predictions come from the trained adapter (`--adapter`); their time counts against the policies
 that use them. Writes bench/results/schedule.json and schedule.png.
 
-Each policy's run is kept in `--store` (bench/results/schedule_runs/<workload signature>/) as it
-finishes, with the predictions, so the full run (1,024 requests, about half an hour per policy on
+Each policy's run is kept in `--store` (bench/results/schedule_runs/<workload signature>/, those
+that read predictions in a subfolder per adapter) as it finishes, with the predictions, so the full run (1,024 requests, about half an hour per policy on
 a 2-core CPU) can be done a few policies at a time (`--policies`) and resumes after an interruption;
 the comparison is written when all six are there.
 """
@@ -96,19 +96,29 @@ def policy_configs(edges: list[int], max_tokens: int, token_budget: int) -> dict
 POLICIES = ("continuous", "vanilla", "predicted", HEADLINE, "oracle", "continuous+predicted")
 
 
+PREDICTED = ("predicted", HEADLINE, "continuous+predicted")  # the policies that read the predictions
+
+
 class RunStore:
     """Finished policy runs of one workload, one JSON file each, so that a run of all six policies
     on 1,024 requests (hours on a 2-core CPU) can be split across invocations (`--policies`) and
-    survive an interruption. The folder is named by a signature of everything a run depends on."""
+    survive an interruption. The folder is named by a signature of everything a run depends on;
+    the runs that read predictions (and the predictions) sit in a subfolder named by the predictor,
+    so a retrained adapter reruns only those, not `vanilla`, `oracle` and `continuous`."""
 
-    def __init__(self, root: Path, signature: dict):
-        digest = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:12]
-        self.folder = root / digest
-        self.folder.mkdir(parents=True, exist_ok=True)
+    def __init__(self, root: Path, signature: dict, predictor: str = ""):
+        self.folder = root / _digest(signature)
+        self.predicted_folder = self.folder / f"predictor-{_digest(predictor)}"
+        self.predicted_folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "signature.json").write_text(json.dumps(signature, indent=1, sort_keys=True))
 
     def _path(self, name: str) -> Path:
-        return self.folder / f"{name.replace('+', '_')}.json"
+        folder = self.predicted_folder if name in PREDICTED else self.folder
+        return folder / f"{name.replace('+', '_')}.json"
+
+    @property
+    def predictions(self) -> Path:
+        return self.predicted_folder / "predictions.json"
 
     def load(self, name: str) -> PolicyRun | None:
         path = self._path(name)
@@ -118,6 +128,10 @@ class RunStore:
         tmp = self._path(name).with_suffix(".tmp")
         tmp.write_text(json.dumps(dataclasses.asdict(run)))
         tmp.replace(self._path(name))
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: list[Job], params: SamplingParams,
@@ -245,10 +259,11 @@ def run(argv: list[str]) -> dict:
 
     store = RunStore(args.store, {
         "n": n, "seed": args.seed, "rows": [r["id"] for r in chosen], "labels": [r["label"] for r in chosen],
-        "adapter": hashlib.sha256(b"".join(f.read_bytes() for f in sorted(args.adapter.iterdir()) if f.is_file()))
-        .hexdigest(), "model": config.model, "max_tokens": max_tokens, "edges": EDGES,
-        "vanilla_batch": VANILLA_BATCH, "vbs_max_batch": VBS_MAX_BATCH})
-    saved = store.folder / "predictions.json"
+        "model": config.model, "max_tokens": max_tokens, "edges": EDGES,
+        "vanilla_batch": VANILLA_BATCH, "vbs_max_batch": VBS_MAX_BATCH},
+        predictor=hashlib.sha256(b"".join(f.read_bytes() for f in sorted(args.adapter.iterdir()) if f.is_file()))
+        .hexdigest())
+    saved = store.predictions
     if saved.exists():  # the same predictions (and their measured cost) for every part of the run
         kept = json.loads(saved.read_text())
         predictions, prediction_s = kept["predicted"], kept["seconds"]

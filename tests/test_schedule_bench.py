@@ -193,6 +193,19 @@ def test_policy_runs_are_kept_and_a_later_invocation_runs_only_what_is_missing(w
     assert set(POLICIES) == set(runs)
 
 
+def test_a_new_adapter_reruns_only_the_policies_that_read_predictions(workload, tmp_path):
+    from bench.schedule_bench import POLICIES, PREDICTED, RunStore
+
+    jobs, _, runs = workload
+    old = RunStore(tmp_path, {"n": len(jobs)}, predictor="adapter-a")
+    for name in POLICIES:
+        old.save(name, runs[name])
+    new = RunStore(tmp_path, {"n": len(jobs)}, predictor="adapter-b")
+    kept = {name for name in POLICIES if new.load(name) is not None}
+    assert kept == set(POLICIES) - set(PREDICTED) == {"continuous", "vanilla", "oracle"}
+    assert new.predictions != old.predictions
+
+
 def test_an_unknown_policy_name_stops_the_bench_naming_the_option():
     with pytest.raises(SystemExit, match="--policies: unknown"):
         run(["--policies", "vanilla,fastest"])
