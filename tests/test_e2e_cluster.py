@@ -45,10 +45,16 @@ def _running_decoders() -> int:
 
 
 def _settled() -> bool:
-    """No decoder replica starting or stopping: Ctrl-C in the middle of a scale-in has left
-    `serve run` hanging in its shutdown (seen twice in CI), and users stop an idle app anyway."""
+    """No decoder replica starting or stopping: the app is stopped idle, as users stop it."""
     replicas = _decoder_replicas()
     return bool(replicas) and set(replicas) == {"RUNNING"}
+
+
+def _ctrl_c_answered():
+    """In the child before `serve run` starts: Ctrl-C back to its default. A test run started in the
+    background of a non-interactive shell (as CI may start it) has SIGINT ignored, the child inherits
+    that, and Python then never turns Ctrl-C into KeyboardInterrupt: `serve run` would not stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +65,7 @@ def served(tmp_path_factory):
     serve_bin = Path(sys.executable).parent / "serve"
     with open(log, "w") as out:
         proc = subprocess.Popen([str(serve_bin), "run", "cluster/local.yaml"], cwd=REPO, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_ctrl_c_answered)
     try:
         _wait(lambda: httpx.get(f"{BASE}/healthz", timeout=10).status_code == 200, 420, "the app to be ready", proc)
         yield proc
@@ -69,9 +75,8 @@ def served(tmp_path_factory):
         except AssertionError:
             pass  # shut down anyway: the shutdown itself is what is checked below
         # Ctrl-C on `serve run` itself (not its process group: Ray's own processes must stay up
-        # while it shuts the application and then Ray down in order). In CI a Ctrl-C has twice gone
-        # unanswered (no "Got KeyboardInterrupt" in the log at all); a user presses it again, so
-        # does this, but only while that line is missing: a second one during the shutdown would cut it
+        # while it shuts the application and then Ray down in order). Pressed again while
+        # unanswered, as a user would, but never once the shutdown has begun: that would cut it
         for _ in range(3):
             proc.send_signal(signal.SIGINT)
             try:
