@@ -12,19 +12,27 @@ from deployments.openai_schema import OpenAIRequest, RequestError
 from graph.orchestrator import AnswerConfig, Orchestrator
 
 
+def batcher_service(engine_config: dict, limits: dict, batcher, answer: dict | None = None,
+                    observer=None) -> CompletionService:
+    """A CompletionService whose every request goes to the batcher (`batcher`: the batcher
+    deployment's handle), tokenized here with the served model's tokenizer. With `answer` it also
+    plans (sot / plato / auto); without, every request is answered plainly."""
+    from engine.config import EngineConfig
+    from engine.loader import load_tokenizer_and_context
+
+    config = EngineConfig(**engine_config)
+    tokenizer, max_model_len = load_tokenizer_and_context(config)
+    name = config.served_model_name or config.model
+    client = BatcherClient(HandleBatcher(batcher), Tokenizing(tokenizer, name, max_model_len))
+    orchestrator = Orchestrator(client, AnswerConfig(**answer)) if answer is not None else None
+    return CompletionService(client, ApiLimits(**limits), orchestrator, observer=observer)
+
+
 class PlannerReplica:
     """`batcher` is the batcher deployment's handle (or anything with its `submit` and `stream`)."""
 
     def __init__(self, engine_config: dict, limits: dict, answer: dict, batcher, observer=None):
-        from engine.config import EngineConfig
-        from engine.loader import load_tokenizer_and_context
-
-        config = EngineConfig(**engine_config)
-        tokenizer, max_model_len = load_tokenizer_and_context(config)
-        name = config.served_model_name or config.model
-        client = BatcherClient(HandleBatcher(batcher), Tokenizing(tokenizer, name, max_model_len))
-        self.service = CompletionService(client, ApiLimits(**limits), Orchestrator(client, AnswerConfig(**answer)),
-                                         observer=observer)
+        self.service = batcher_service(engine_config, limits, batcher, answer, observer)
 
     async def complete(self, request: OpenAIRequest) -> dict:
         try:

@@ -1,7 +1,8 @@
 """The Serve application, on the request path of ../shared/DESIGN.md:
 
-    Ingress (HTTP, OpenAI-compatible) -> Planner (checks and tokenizes; plans sot / plato answers)
+    Ingress (HTTP, OpenAI-compatible; checks and tokenizes) -> Planner (plans sot / plato / auto)
       -> Batcher (one; length prediction, bins, micro-batches, re-queues) -> Decoder replicas
+    Plain (`ar`) requests go from the ingress to the batcher directly (deployments.routing).
     LengthPredictor feeds the Batcher; ContextCache holds plans and prefix KV shared by decoders.
 
 Every request, plain or a plan node, goes through the batcher. Start it with
@@ -20,11 +21,12 @@ from actors.batcher import BatcherActor
 from actors.context_cache import ContextCache
 from actors.decoder import DecoderReplica
 from actors.length_predictor import LengthPredictorReplica
-from actors.planner import PlannerReplica
+from actors.planner import PlannerReplica, batcher_service
 from deployments.api import create_app
 from deployments.config import AppConfig, load_app_config
-from deployments.metrics import BatcherMetrics, DecoderMetrics, PlannerMetrics
+from deployments.metrics import BatcherMetrics, DecoderMetrics, AnswerMetrics
 from deployments.openai_schema import OpenAIRequest, RequestError
+from deployments.routing import RoutedBackend
 
 # Serve's own request limit on an ingress replica sits this far above limits.max_queued_requests, so
 # every request reaches the ingress's count (and its quick 503) instead of waiting in Serve's proxy
@@ -89,7 +91,7 @@ class Planner(PlannerReplica):
     """The planner actor (actors.planner), with the app's health report."""
 
     def __init__(self, engine_config: dict, limits: dict, answer: dict, batcher: DeploymentHandle):
-        super().__init__(engine_config, limits, answer, batcher, observer=PlannerMetrics())
+        super().__init__(engine_config, limits, answer, batcher, observer=AnswerMetrics())
 
     async def health(self) -> dict:
         """Healthy while the decoder deployment is: Serve marks it unhealthy when replicas fail their
@@ -131,18 +133,19 @@ class HandleBackend:
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class Ingress:
-    """HTTP entry point: checks the API key and the replica's load, validates OpenAI requests and
-    forwards them to the planner."""
+    """HTTP entry point: checks the API key and the replica's load, validates OpenAI requests,
+    answers plain ones through the batcher and forwards questions to plan to the planner."""
 
-    def __init__(self, planner: DeploymentHandle, config: dict):
-        self.planner = planner
+    def __init__(self, planner: DeploymentHandle, batcher: DeploymentHandle, config: dict):
         self.config = AppConfig.model_validate(config)
         self.api_key = self.config.resolve_api_key()  # a missing key fails the replica's start, loudly
+        plain = batcher_service(self.config.engine.model_dump(), self.config.limits.model_dump(), batcher,
+                                observer=AnswerMetrics())
+        self.backend = RoutedBackend(plain, HandleBackend(planner))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        """Called by Serve on each replica after `__init__`: the routes over the planner handle."""
-        backend = HandleBackend(self.planner)
-        return create_app(backend, api_key=self.api_key, max_in_flight=self.config.limits.max_queued_requests)
+        """Called by Serve on each replica after `__init__`: the routes over both paths."""
+        return create_app(self.backend, api_key=self.api_key, max_in_flight=self.config.limits.max_queued_requests)
 
 
 def build_app(args: dict | None = None) -> Application:
@@ -155,4 +158,4 @@ def build_app(args: dict | None = None) -> Application:
     batcher = Batcher.bind(config.batcher.model_dump(), config.dispatch.model_dump(), decoder, predictor)
     planner = Planner.bind(engine, config.limits.model_dump(), config.answer.model_dump(), batcher)
     ingress = Ingress.options(max_ongoing_requests=config.limits.max_queued_requests + INGRESS_HEADROOM)
-    return ingress.bind(planner, config.model_dump())
+    return ingress.bind(planner, batcher, config.model_dump())

@@ -39,6 +39,13 @@ def _usage(result: Result) -> Usage:
     return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens, total_tokens=total)
 
 
+def is_planned(request: OpenAIRequest) -> bool:
+    """Planning answers one question: a single user message asked in a mode other than `ar`. Any
+    other request is answered by plain decoding, whatever its mode."""
+    return (isinstance(request, ChatCompletionRequest) and request.mode != PLAIN_MODE and len(request.messages) == 1
+            and request.messages[0].role == "user")
+
+
 class ApiLimits(BaseModel):
     """What a single API request may ask for, and how many requests an ingress replica holds."""
 
@@ -71,7 +78,7 @@ class CompletionService:
 
     def __init__(self, engine: AsyncEngine, limits: ApiLimits, orchestrator: Orchestrator | None = None,
                  observer=None):
-        """`observer`: deployments.metrics.PlannerMetrics, or None."""
+        """`observer`: deployments.metrics.AnswerMetrics, or None."""
         self.engine = engine
         self.observer = observer
         self.limits = limits
@@ -127,9 +134,7 @@ class CompletionService:
         return GenerationRequest(prompt_ids=prompt_ids, params=params)
 
     def _planned(self, request: OpenAIRequest) -> bool:
-        """Planning answers one question: a single user message asked in a mode other than `ar`."""
-        return (self.orchestrator is not None and isinstance(request, ChatCompletionRequest)
-                and request.mode != PLAIN_MODE and len(request.messages) == 1 and request.messages[0].role == "user")
+        return self.orchestrator is not None and is_planned(request)
 
     async def _plan_and_answer(self, request: ChatCompletionRequest, engine_request: GenerationRequest) -> Answer:
         budget = {"max_tokens": engine_request.params.max_tokens, "stop_on_loop": self.limits.stop_on_loop}

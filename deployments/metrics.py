@@ -47,8 +47,9 @@ class BatcherMetrics:
         self.requeued.inc()
 
 
-class PlannerMetrics:
-    """Answers per mode, plan fallbacks, time to first token and request latency."""
+class AnswerMetrics:
+    """Answers per mode, plan fallbacks, time to first token and request latency: the ingress reports
+    plain answers, the planner planned ones."""
 
     def __init__(self):
         self.answers = Counter("plato_answers_total", "Answers, by the mode that produced them.", tag_keys=("mode",))

@@ -116,3 +116,40 @@ def test_a_decoder_streams_what_is_ready_at_once_as_one_message(make_engine):
     for rid, result in results.items():
         streamed = [t for i in items if "event" in i and i["event"]["request_id"] == rid for t in i["event"]["token_ids"]]
         assert streamed == result["token_ids"]
+
+
+def test_the_ingress_sends_plain_requests_to_the_batcher_and_questions_to_plan_to_the_planner(path):
+    from deployments.openai_schema import CompletionRequest
+    from deployments.routing import RoutedBackend
+
+    service, _, _, _ = path
+    asked_planner = []
+
+    class Planner:  # the planner deployment's backend: records what reached it, answers with the full service
+        async def complete(self, request):
+            asked_planner.append(request)
+            return await service.complete(request)
+
+        async def health(self):
+            return {"healthy": True}
+
+    plain = CompletionService(service.engine, service.limits)  # no orchestrator: never plans
+    routed = RoutedBackend(plain, Planner())
+    conversation = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}, {"role": "assistant",
+                                         "content": "hello"}, {"role": "user", "content": "and?"}], mode="plato")
+
+    async def main():
+        answers = {"ar": await routed.complete(chat("hello there")),
+                   "completion": await routed.complete(CompletionRequest(prompt="once upon")),
+                   "conversation": await routed.complete(conversation),
+                   "streamed": [c async for c in routed.stream(chat("hello there", max_tokens=4))]}
+        for mode in ("sot", "plato", "auto"):
+            answers[mode] = await routed.complete(chat("How do I plan a trip?", mode=mode, max_tokens=24))
+        return answers, await routed.health(), await routed.info()
+
+    answers, health, info = run(main())
+    assert [r.mode for r in asked_planner] == ["sot", "plato", "auto"]  # and nothing else reached it
+    assert answers["ar"].mode == "ar" and answers["conversation"].mode == "ar"
+    assert answers["completion"].usage.completion_tokens > 0 and answers["streamed"][-1]["choices"][0]["finish_reason"]
+    assert answers["plato"].mode in ("plato", "ar") and answers["sot"].choices[0].message.content
+    assert health == {"healthy": True} and info["id"] == service.model_name
