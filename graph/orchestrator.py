@@ -24,6 +24,7 @@ from graph.prompts import (
     node_messages,
     plan_messages,
     shared_prefix_messages,
+    streaming_prefix_probe,
     sot_point_messages,
     sot_skeleton_messages,
 )
@@ -115,6 +116,16 @@ async def fixed_prefix_request(client: DecodeClient, messages: list[dict], param
     prefix = await client.encode_chat(messages[:-1], add_generation_prompt=False)
     shared = len(prefix) if len(prefix) < len(ids) and ids[: len(prefix)] == prefix else 0
     return GenerationRequest(prompt_ids=ids, params=params, shared_prefix_len=shared)
+
+
+def _common_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Orchestrator:
@@ -240,13 +251,15 @@ class _PlatoRun:
             if self.config.kv_reuse:
                 # marked, not prefilled apart: the engine caches the prefix as this node's prompt is
                 # prefilled (a separate prefill step would stall the plan still being decoded), and
-                # later nodes whose prompts start with it reuse it. While the plan streams, only the
-                # instructions and the question are common to every node: the plan message closes
-                # with an end-of-turn token, so a plan one line longer is not a token extension of it
-                common = shared_prefix_messages(self.question, plan_so_far)
+                # later nodes whose prompts start with it reuse it. While the plan streams, what every
+                # later node prompt starts with ends with the plan text so far, before the plan
+                # message's end-of-turn token (graph.prompts.streaming_prefix_probe)
+                prefix = await self.client.encode_chat(shared_prefix_messages(self.question, plan_so_far),
+                                                       add_generation_prompt=False)
                 if not execution.plan_is_complete:
-                    common = common[:-1]
-                prefix = await self.client.encode_chat(common, add_generation_prompt=False)
+                    probe = await self.client.encode_chat(streaming_prefix_probe(self.question, plan_so_far),
+                                                          add_generation_prompt=False)
+                    prefix = prefix[: _common_length(prefix, probe)]
                 shared = len(prefix) if len(prefix) < len(ids) and ids[: len(prefix)] == prefix else 0
             request = GenerationRequest(prompt_ids=ids, params=node_params(self.config), shared_prefix_len=shared)
             result = await self.client.generate(request)

@@ -84,15 +84,27 @@ def shared_prefix_messages(question: str, plan: Plan) -> list[dict]:
     special token, and tokenizers split text at special tokens before merging, so nothing after
     that token can change the tokens before it.
 
-    While the plan is still streaming, only the first two messages (instructions and question) are
-    common to every node prompt: the plan message closes with an end-of-turn token, so the prompt of a
-    node that saw one more plan line does not start with this one's tokens (graph.orchestrator marks
-    just those two messages as shared until the plan is complete)."""
+    While the plan is still streaming, the plan message closes with an end-of-turn token right after
+    the last line seen so far, so the prompt of a node that saw one more plan line does not start
+    with all of this one's tokens: only with those up to that last line's text (see
+    `streaming_prefix_probe`)."""
     return [
         {"role": "system", "content": NODE_SYSTEM},
         {"role": "user", "content": question},
         {"role": "assistant", "content": plain_plan(plan)},
     ]
+
+
+def streaming_prefix_probe(question: str, plan: Plan) -> list[dict]:
+    """`shared_prefix_messages` as they would read with one more plan line. The token prefix that
+    these and `shared_prefix_messages(question, plan)` have in common runs to the end of the plan
+    text seen so far (not its end-of-turn token): every node prompt built from this plan or from
+    any longer one starts with it, so it is what a node dispatched while the plan streams marks as
+    shared, and a later node reuses its KV (the engine's prefix cache matches the longest cached
+    prefix) and computes only the plan lines added since."""
+    messages = shared_prefix_messages(question, plan)
+    messages[-1] = {**messages[-1], "content": f"{messages[-1]['content']}\n{len(plan.nodes) + 1}. "}
+    return messages
 
 
 def plain_plan(plan: Plan) -> str:

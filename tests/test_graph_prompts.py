@@ -17,6 +17,7 @@ from graph.prompts import (
     plan_messages,
     shared_prefix_messages,
     sot_point_messages,
+    streaming_prefix_probe,
     sot_skeleton_messages,
 )
 
@@ -114,6 +115,29 @@ def test_a_partial_plan_shares_the_question_and_a_text_prefix_of_the_plan():
     early, final = shared_prefix_messages(QUESTION, partial), shared_prefix_messages(QUESTION, PLAN)
     assert early[:2] == final[:2]
     assert final[2]["content"].startswith(early[2]["content"]) and final[2] != early[2]
+
+
+@pytest.mark.parametrize("which", ["tiny_tokenizer", "bpe_tokenizer"])
+def test_while_the_plan_streams_the_plan_so_far_is_a_token_prefix_of_every_later_node_prompt(which, request):
+    tokenizer = request.getfixturevalue(which)
+    question_only = encode_chat(tokenizer, shared_prefix_messages(QUESTION, PLAN)[:2], add_generation_prompt=False)
+    shared = []
+    for seen in (1, 2, 3):
+        partial = Plan(question=QUESTION, nodes=PLAN.nodes[:seen])
+        closed = encode_chat(tokenizer, shared_prefix_messages(QUESTION, partial), add_generation_prompt=False)
+        probe = encode_chat(tokenizer, streaming_prefix_probe(QUESTION, partial), add_generation_prompt=False)
+        common = next((i for i, (a, b) in enumerate(zip(closed, probe)) if a != b), min(len(closed), len(probe)))
+        shared.append(closed[:common])
+        later = [Plan(question=QUESTION, nodes=PLAN.nodes[:n]) for n in range(seen, len(PLAN.nodes) + 1)]
+        for plan in later:  # this plan or any longer one: every node prompt starts with it
+            for node in plan.nodes:
+                ids = encode_chat(tokenizer, node_messages(QUESTION, plan, node, {}))
+                assert ids[:common] == shared[-1]
+        # it holds the plan text seen so far: all but the plan message's closing tokens
+        assert len(closed) - len(shared[-1]) <= 3
+        if which == "bpe_tokenizer":
+            assert tokenizer.decode(shared[-1]).rstrip().endswith(PLAN.nodes[seen - 1].text)
+    assert len(question_only) < len(shared[0]) < len(shared[1]) < len(shared[2])
 
 
 def test_node_task_lists_parent_answers_then_names_the_step():

@@ -220,12 +220,14 @@ def test_nodes_and_points_share_the_answer_budget(mode, max_tokens, node_max_tok
     assert result.mode == mode and client.node_budgets == [each] * parts
 
 
-def test_while_the_plan_streams_only_instructions_and_question_are_marked_shared():
-    """A node started mid-plan shares only what every node prompt starts with; once the plan is
-    complete, nodes share the plan too (the plan message's end-of-turn token would otherwise differ)."""
+def test_while_the_plan_streams_nodes_share_the_plan_so_far_up_to_its_last_line():
+    """A node started mid-plan marks as shared what every later node prompt starts with: the
+    instructions, the question and the plan text seen so far, not the plan message's closing;
+    once the plan is complete, nodes share the whole plan message."""
     client = ScriptedClient(DIAMOND, line_delay=0.05)
     answer(client, "plato")
     texts = [ScriptedClient._text(p) for p in client.prefixes]
     node_1, node_4 = texts[0], texts[-1]
-    assert "Plan:" not in node_1 and node_1.endswith("Q?")
+    assert node_1.endswith("Plan:\n1. Find A") and "2. Use A for B" not in node_1
+    assert all(later.startswith(node_1) for later in texts)
     assert "Plan:" in node_4 and "4. Join B and C" in node_4
