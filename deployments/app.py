@@ -24,7 +24,7 @@ from actors.length_predictor import LengthPredictorReplica
 from actors.planner import PlannerReplica, batcher_service
 from deployments.api import create_app
 from deployments.config import AppConfig, load_app_config
-from deployments.metrics import BatcherMetrics, DecoderMetrics, AnswerMetrics
+from deployments.metrics import AnswerMetrics, BatcherMetrics, DecoderMetrics
 from deployments.openai_schema import OpenAIRequest, RequestError
 from deployments.routing import RoutedBackend
 

@@ -24,9 +24,9 @@ from graph.prompts import (
     node_messages,
     plan_messages,
     shared_prefix_messages,
-    streaming_prefix_probe,
     sot_point_messages,
     sot_skeleton_messages,
+    streaming_prefix_probe,
 )
 
 Mode = Literal["ar", "sot", "plato"]
