@@ -135,13 +135,19 @@ def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     model = with_new_adapter(regressor, settings)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
-    checkpoint = work / (f"checkpoint-l{settings.lora_layers}-r{settings.rank}-lr{args.lr}-b{args.batch}"
-                         f"-e{args.epochs}-s{args.seed}.pt")
+    steps = args.epochs * len(length_batches([f["keys"].shape[2] for f in train_features], args.batch, None))
+    # linear decay to zero: without it the held-out error swings from one epoch to the next, and the
+    # last epoch's weights are as much luck as learning
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, (lambda step: max(0.0, 1 - step / steps)) if args.lr_schedule == "linear" else (lambda step: 1.0))
+    checkpoint = work / (f"checkpoint-l{settings.lora_layers}-r{settings.rank}-lr{args.lr}-{args.lr_schedule}"
+                         f"-b{args.batch}-e{args.epochs}-s{args.seed}.pt")
     first_epoch, history, train_seconds = 0, [], 0.0
     if checkpoint.exists():
         state = torch.load(checkpoint)
         model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
         first_epoch, history, train_seconds = state["epoch"] + 1, state["history"], state["seconds"]
         print(f"resuming after epoch {first_epoch}", flush=True)
     rng = random.Random(args.seed)
@@ -157,6 +163,7 @@ def train(args: argparse.Namespace) -> dict:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            scheduler.step()
             total += loss.item() * max_tokens
             if step % 20 == 0 or step == len(groups):
                 print(f"epoch {epoch + 1}/{args.epochs}  batch {step}/{len(groups)}  train MAE {total / step:.1f}"
@@ -167,15 +174,16 @@ def train(args: argparse.Namespace) -> dict:
         history.append({"epoch": epoch + 1, "train_mae": round(total / len(groups), 1), "val": val})
         print(f"epoch {epoch + 1}: val {val}", flush=True)
         torch.save({"model": {k: v for k, v in model.state_dict().items() if "lora_" in k or "head" in k},
-                    "optimizer": optimizer.state_dict(), "epoch": epoch, "history": history,
+                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "epoch": epoch,
+                    "history": history,
                     "seconds": train_seconds}, checkpoint)
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     (args.out / "settings.json").write_text(settings.model_dump_json(indent=2))
     summary = {"model": args.model, "label_parts": args.parts, "train_prompts": len(train_rows),
-               "val_prompts": len(val_rows), "settings": settings.model_dump(), "lr": args.lr, "batch": args.batch,
-               "epochs": args.epochs, "seed": args.seed, "feature_seconds": round(feature_seconds),
+               "val_prompts": len(val_rows), "settings": settings.model_dump(), "lr": args.lr,
+               "lr_schedule": args.lr_schedule, "batch": args.batch, "epochs": args.epochs, "seed": args.seed, "feature_seconds": round(feature_seconds),
                "train_seconds": round(train_seconds), "history": history}
     (args.out / "training.json").write_text(json.dumps(summary, indent=2))
     write_card(args.out, summary)
@@ -201,7 +209,8 @@ def write_card(out: Path, summary: dict) -> None:
         f"(predictor/labels.py): {summary['train_prompts']} train, {summary['val_prompts']} held out. "
         "Prompts come from train_pool.jsonl and sharegpt4k.jsonl, never from the evaluation question sets.", "",
         "## Training", "",
-        f"{summary['epochs']} epochs, batch {summary['batch']}, AdamW lr {summary['lr']}, L1 loss on tokens, seed "
+        f"{summary['epochs']} epochs, batch {summary['batch']}, AdamW lr {summary['lr']} "
+        f"({summary.get('lr_schedule', 'constant')}), L1 loss on tokens, seed "
         f"{summary['seed']}; the plain model's part (the prompts' top-layer KV and the question's hidden states below "
         f"the adapter) computed once in {summary['feature_seconds']} s, then {summary['train_seconds']} s of epochs "
         "that run only the question through the top layers (python -m predictor.train).", "",
@@ -240,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr-schedule", choices=["linear", "constant"], default="linear",
+                        help="linear: decay to zero over the run")
     parser.add_argument("--lora-layers", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)

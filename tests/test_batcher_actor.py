@@ -123,11 +123,14 @@ def test_the_predictors_prompt_kv_reaches_the_decoder_so_the_prompt_is_not_prefi
                              params=SamplingParams(max_tokens=6, temperature=0.0))
 
     async def main():
-        batcher = BatcherActor({"bins": {"edges": [8, 64]}}, send_batch=decoder.run_batch, predict=predict)
+        # a generous prediction timeout: on a loaded machine the first prediction (and its ray.put) can
+        # take longer than the 5 s default, and a skipped prediction shares nothing, which is not under test here
+        batcher = BatcherActor({"bins": {"edges": [8, 64]}}, send_batch=decoder.run_batch, predict=predict,
+                               dispatch={"predict_timeout_s": 120})
         return [await batcher.submit(r.model_dump(mode="json")) for r in (plain, node)]
 
     try:
-        plain_out, node_out = asyncio.run(asyncio.wait_for(main(), 60))
+        plain_out, node_out = asyncio.run(asyncio.wait_for(main(), 240))
     finally:
         decoder.engine.shutdown()
     assert shared_asked == [True, False]
