@@ -136,8 +136,8 @@ def train(args: argparse.Namespace) -> dict:
     model = with_new_adapter(regressor, settings)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     steps = args.epochs * len(length_batches([f["keys"].shape[2] for f in train_features], args.batch, None))
-    # linear decay to zero: without it the held-out error swings from one epoch to the next, and the
-    # last epoch's weights are as much luck as learning
+    # linear decay to zero (optional): the held-out error swings from one epoch to the next at a
+    # constant rate; decayed, the last epoch does not depend on where the swing ends
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, (lambda step: max(0.0, 1 - step / steps)) if args.lr_schedule == "linear" else (lambda step: 1.0))
     checkpoint = work / (f"checkpoint-l{settings.lora_layers}-r{settings.rank}-lr{args.lr}-{args.lr_schedule}"
@@ -249,8 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--lr-schedule", choices=["linear", "constant"], default="linear",
-                        help="linear: decay to zero over the run")
+    parser.add_argument("--lr-schedule", choices=["constant", "linear"], default="constant",
+                        help="linear: decay to zero over the run (4 epochs: held-out within 100 0.832 vs 0.828, "
+                        "within 50 0.624 vs 0.616, MAE 47.9 vs 47.7: no real difference; the committed adapter is constant)")
     parser.add_argument("--lora-layers", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
