@@ -252,9 +252,24 @@ async def _both(base_url: str, args: dict, prompts: list[str], cli) -> dict:
                 warm = await send(0)
                 if warm.error:
                     raise SystemExit(f"the application refused the warm-up request: {warm.error}")
-            return await measure(senders, cli.rates, len(prompts), cli.seed, cli.repeats)
+            per_rate = await measure(senders, cli.rates, len(prompts), cli.seed, cli.repeats)
+            from ray import serve
+
+            replica = await serve.get_deployment_handle("Decoder", app_name="plato").stats.remote()
+            return per_rate, {"http": engine_time(replica), "in_process": engine_time(await engine.call(
+                lambda e: e.stats()))}
         finally:
             engine.shutdown()
+
+
+def engine_time(stats: dict) -> dict:
+    """How fast each side's engine ran while it ran: the time inside engine steps over the whole
+    benchmark (both sides decode the same requests). A Decoder replica whose steps take longer than
+    the in-process engine's is slowed by its host process; equal step times put the loss elsewhere."""
+    steps, seconds, tokens = stats["steps"], stats["step_s"], stats["generated_tokens"]
+    return {"steps": steps, "step_s": round(seconds, 1), "generated_tokens": tokens,
+            "ms_per_step": round(1000 * seconds / steps, 1) if steps else None,
+            "tokens_per_step_s": round(tokens / seconds, 1) if seconds else None}
 
 
 def _chart(per_rate: dict, path) -> None:
@@ -323,7 +338,7 @@ def run(argv: list[str]) -> dict:
     niceness = match_ray_worker_niceness()
     load_before = os.getloadavg()[0]  # the machine is shared: say how busy it was
     with serve_app(args) as base_url:
-        per_rate = asyncio.run(_both(base_url, args, prompts, cli))
+        per_rate, engine_seconds = asyncio.run(_both(base_url, args, prompts, cli))
     saturation = str(cli.rates[-1])
     efficiency = per_rate[saturation]["http"]["tokens_per_s"] / per_rate[saturation]["in_process"]["tokens_per_s"]
     result = {
@@ -331,7 +346,7 @@ def run(argv: list[str]) -> dict:
         "workload": {"data": f"data/{DATA_FILE}", "requests": n, "rates": [str(r) for r in cli.rates],
                      "max_tokens": cli.max_tokens, "temperature": 0, "seed": cli.seed,
                      "prompt_chars_mean": round(sum(map(len, prompts)) / n, 1)},
-        "app_args": args, "rates": per_rate,
+        "app_args": args, "rates": per_rate, "engine_time": engine_seconds,
         "http_efficiency": round(efficiency, 3), "efficiency_rate": saturation,
         "target": TARGET_EFFICIENCY, "target_met": efficiency >= TARGET_EFFICIENCY,
         "quick": cli.quick, "repeats": cli.repeats,
@@ -341,5 +356,6 @@ def run(argv: list[str]) -> dict:
     path = write_result("serve", result)
     _chart(per_rate, RESULTS / "serve.png")
     _print_report(result)
+    print("engine time (all runs):", engine_seconds)
     print(f"wrote {path}")
     return result

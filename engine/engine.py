@@ -60,7 +60,7 @@ class LLMEngine(Engine):
         self._by_id: dict[str, _Sequence] = {}
         self._results: dict[str, Result] = {}
         self._order = itertools.count()
-        self._stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0}
+        self._stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0, "step_s": 0.0}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -124,6 +124,7 @@ class LLMEngine(Engine):
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        started = time.perf_counter()
         self._stats["steps"] += 1
         admitted = self._admit()
         self._release_finished(admitted)
@@ -138,7 +139,9 @@ class LLMEngine(Engine):
             self._release_finished(batch)
         seen = {id(s) for s in admitted}
         touched = admitted + [s for s in batch if id(s) not in seen]
-        return [self._event(s) for s in touched if s.new_tokens or s.finish]
+        events = [self._event(s) for s in touched if s.new_tokens or s.finish]
+        self._stats["step_s"] += time.perf_counter() - started  # time in steps: where a host slows the engine
+        return events
 
     def _release_finished(self, sequences: list[_Sequence]) -> None:
         for sequence in sequences:

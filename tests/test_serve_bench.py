@@ -19,6 +19,7 @@ from bench.serve_bench import (
     Record,
     arrival_offsets,
     drive,
+    engine_time,
     http_request,
     in_process_request,
     measure,
@@ -128,6 +129,21 @@ def test_in_process_runner_streams_every_request_on_the_tiny_model(make_engine):
         engine.shutdown()
     assert [r.tokens for r in records] == [6] * len(prompts)  # the tiny model never ends early
     assert all(r.error is None and 0 < r.ttft_s <= r.latency_s <= seconds for r in records)
+
+
+def test_engine_time_is_the_time_inside_engine_steps(make_engine):
+    from engine.types import GenerationRequest
+
+    engine = make_engine(max_batch_size=4, max_model_len=256)
+    assert engine_time(engine.stats()) == {"steps": 0, "step_s": 0.0, "generated_tokens": 0, "ms_per_step": None,
+                                           "tokens_per_step_s": None}
+    engine.generate([GenerationRequest(prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=6, temperature=0.0))
+                     for _ in range(3)])
+    stats = engine.stats()
+    timed = engine_time(stats)
+    assert stats["step_s"] > 0 and timed["steps"] == stats["steps"] > 0 and timed["generated_tokens"] == 18
+    assert timed["ms_per_step"] == round(1000 * stats["step_s"] / stats["steps"], 1)
+    assert timed["tokens_per_step_s"] == round(18 / stats["step_s"], 1)
 
 
 def test_measure_alternates_repeats_and_compares_answer_lengths():
