@@ -232,7 +232,8 @@ def serve_app(args: dict):
         ray.shutdown()
 
 
-async def _both(base_url: str, args: dict, prompts: list[str], cli) -> dict:
+async def _both(base_url: str, args: dict, prompts: list[str], cli) -> tuple[dict, dict]:
+    """Both sides measured (`measure`), and each side's `engine_time` over all its runs."""
     import httpx
 
     from deployments.completion_service import ApiLimits
