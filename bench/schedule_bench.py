@@ -94,10 +94,10 @@ def policy_configs(edges: list[int], max_tokens: int, token_budget: int) -> dict
     }
 
 
-POLICIES = ("continuous", "vanilla", "predicted", HEADLINE, "oracle", "continuous+predicted")
-
-
-PREDICTED = ("predicted", HEADLINE, "continuous+predicted")  # the policies that read the predictions
+LENGTHS_READ = {"continuous": None, "vanilla": None, "predicted": "predicted", HEADLINE: "predicted",
+                "oracle": "labels", "continuous+predicted": "predicted"}  # what each policy schedules by
+POLICIES = tuple(LENGTHS_READ)
+PREDICTED = tuple(name for name, read in LENGTHS_READ.items() if read == "predicted")
 
 
 class RunStore:
@@ -145,8 +145,7 @@ def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: l
     predicted, labels = [j.predicted for j in jobs], [j.label for j in jobs]
     budget = round(VANILLA_BATCH * (statistics.mean(len(j.prompt_ids) for j in jobs) + params.max_tokens))
     configs = policy_configs(edges, params.max_tokens, budget)
-    lengths_of = {"continuous": None, "vanilla": None, "predicted": predicted, HEADLINE: predicted,
-                  "oracle": labels, "continuous+predicted": predicted}
+    lengths_of = {None: None, "predicted": predicted, "labels": labels}
     runs = {}
     for name in POLICIES:
         done = store.load(name) if store is not None else None
@@ -156,7 +155,7 @@ def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: l
             continue
         if only is not None and name not in only:
             continue
-        lengths = lengths_of[name]
+        lengths = lengths_of[LENGTHS_READ[name]]
         if name.startswith("continuous"):
             runs[name] = run_continuous(continuous_engine, jobs, params, lengths)
         else:

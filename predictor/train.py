@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import time
@@ -135,7 +136,7 @@ def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     model = with_new_adapter(regressor, settings)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
-    steps = args.epochs * len(length_batches([f["keys"].shape[2] for f in train_features], args.batch, None))
+    steps = args.epochs * math.ceil(len(train_features) / args.batch)
     # linear decay to zero (optional): the held-out error swings from one epoch to the next at a
     # constant rate; decayed, the last epoch does not depend on where the swing ends
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -175,8 +176,7 @@ def train(args: argparse.Namespace) -> dict:
         print(f"epoch {epoch + 1}: val {val}", flush=True)
         torch.save({"model": {k: v for k, v in model.state_dict().items() if "lora_" in k or "head" in k},
                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "epoch": epoch,
-                    "history": history,
-                    "seconds": train_seconds}, checkpoint)
+                    "history": history, "seconds": train_seconds}, checkpoint)
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
