@@ -2,9 +2,10 @@
 
 A Poisson stream of ShareGPT prompts (data/sharegpt_serve.jsonl, a fixed-seed subset of
 ../shared/data/sharegpt4k.jsonl) at several rates, the same arrival times for both systems:
-- `http`: the application of cluster/local.yaml (Ingress -> Planner -> Batcher -> one Decoder
-  replica; no length predictor unless --predictor) started here with Ray Serve, asked with streamed
-  chat completions (`stream_options.include_usage` gives the answer's token count);
+- `http`: the application of cluster/local.yaml (its args and runtime_env; Ingress -> Batcher -> one
+  Decoder replica for these plain requests; no length predictor unless --predictor) started here
+  with Ray Serve, asked with streamed chat completions (`stream_options.include_usage` gives the
+  answer's token count);
 - `in_process`: one LLMEngine with the same engine settings behind an AsyncEngine, streamed.
 Both decode greedily (temperature 0) with the API's loop stop, so they should give the same answers.
 Per rate and system: requests/s, output tokens/s, time to first token (first text) and latency,
@@ -195,13 +196,22 @@ def _timings(records: list[Record]) -> dict:
             "latency_s": [round(r.latency_s, 3) for r in records], "tokens": [r.tokens for r in records]}
 
 
+def local_app() -> dict:
+    """The application of cluster/local.yaml, as `serve run` reads it."""
+    import yaml
+
+    return yaml.safe_load((REPO / "cluster" / "local.yaml").read_text())["applications"][0]
+
+
+def app_env() -> dict:
+    """The environment cluster/local.yaml gives the application's replicas (its runtime_env)."""
+    return dict(local_app().get("runtime_env", {}).get("env_vars", {}))
+
+
 def app_args(predictor: bool) -> dict:
     """cluster/local.yaml's application args, on the CPU (its decoders ask Ray for no GPU, so the
     in-process engine stays off any GPU too), without the length predictor unless asked."""
-    import yaml
-
-    config = yaml.safe_load((REPO / "cluster" / "local.yaml").read_text())
-    args = config["applications"][0]["args"]
+    args = local_app()["args"]
     args["engine"]["device"] = "cpu"
     if not predictor:
         args["predictor"] = None
@@ -221,8 +231,10 @@ def serve_app(args: dict):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # local.yaml's runtime_env, given to the whole job here (serve.run of an application object
+    # takes none): the replicas run as `serve run cluster/local.yaml` runs them
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}})
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", **app_env()}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name="plato", route_prefix="/", blocking=False)

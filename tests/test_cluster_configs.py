@@ -168,3 +168,11 @@ def test_api_key_env_is_read_where_the_ingress_starts(monkeypatch):
     assert config.resolve_api_key() == "k3y"
     assert load_app_config({"api_key": "direct"}).resolve_api_key() == "direct"
     assert load_app_config({}).resolve_api_key() is None
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "gpu.yaml"])
+def test_serve_configs_run_throughput_optimized_replicas_behind_the_proxy(name):
+    [app] = _load(name)["applications"]
+    env = app["runtime_env"]["env_vars"]
+    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"  # on, no proxy would serve http_options' port
