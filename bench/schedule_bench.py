@@ -16,8 +16,12 @@ Policies (bench/schedule_policies.py says how each is run and counted):
 - `continuous`: this engine's continuous batching, 16 slots, arrival order (the modern baseline);
 - `continuous+predicted`: the same, admitting the shortest predicted first.
 
-Predictions come from the trained adapter (`--adapter`); their time counts against the policies
-that use them. Writes bench/results/schedule.json and schedule.png.
+Predictions come from the trained adapter (`--adapter`), run as the service runs it: the prompt
+through the plain model, then the length question with the adapter on, and the prompt's KV handed to
+the decoder, whose prefill then starts after it (the service's predictor publishes it to the context
+cache). So the policies that use predictions hold every prompt's KV from the predictor while they
+run, and the whole prediction time (prompt passes included) counts against them. Writes
+bench/results/schedule.json and schedule.png.
 
 Each policy's run is kept in `--store` (bench/results/schedule_runs/<workload signature>/, those
 that read predictions in a subfolder per adapter) as it finishes, with the predictions, so the full
@@ -28,6 +32,7 @@ there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -41,6 +46,7 @@ from bench.schedule_policies import Job, PolicyRun, run_binned, run_continuous, 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.loader import load_hf_model, resolve_model_dir, select_device_and_dtype
+from engine.prefix_cache import PrefixEntry
 from engine.types import GenerationRequest, SamplingParams
 from predictor.batcher import BatcherConfig
 from predictor.bins import LengthBins
@@ -97,6 +103,7 @@ def policy_configs(edges: list[int], max_tokens: int, token_budget: int) -> dict
 LENGTHS_READ = {"continuous": None, "vanilla": None, "predicted": "predicted", HEADLINE: "predicted",
                 "oracle": "labels", "continuous+predicted": "predicted"}  # what each policy schedules by
 POLICIES = tuple(LENGTHS_READ)
+PREDICTION = "prompt KV shared with the decoder:"  # how predictions are made, part of their runs' folder name
 PREDICTED = tuple(name for name, read in LENGTHS_READ.items() if read == "predicted")
 
 
@@ -135,13 +142,46 @@ def _digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def predict_sharing_kv(predictor: LengthPredictor, ids: list[list[int]], chunk: int = 64
+                       ) -> tuple[list[int], list[PrefixEntry], float]:
+    """Every request's predicted length, each distinct prompt's KV from the predictor's prompt pass
+    (what the service's predictor hands the decoder), and the seconds spent predicting. Run in
+    chunks, keeping one KV per distinct prompt, so a workload with repeats does not hold each again."""
+    lengths, entries, started = [], {}, predictor.seconds
+    for first in range(0, len(ids), chunk):
+        got, kv = predictor.predict_with_kv(ids[first : first + chunk])
+        lengths += got
+        for entry in kv:
+            entries.setdefault(entry.token_ids, entry)
+    return lengths, list(entries.values()), predictor.seconds - started
+
+
+@contextlib.contextmanager
+def holding(engine: LLMEngine, entries: list[PrefixEntry] | None):
+    """The engine's prefix cache holds `entries` (the predictor's prompt KV), and only them, while
+    a policy that read the predictions runs; it is emptied again after, so no other policy gains."""
+    cache = engine.prefix_cache
+    bound = cache.max_bytes
+    cache.clear()
+    if entries:
+        cache.max_bytes = max(bound, sum(e.nbytes for e in entries))
+        for entry in entries:
+            engine.import_prefix(entry)
+    try:
+        yield
+    finally:
+        cache.clear()
+        cache.max_bytes = bound
+
+
 def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: list[Job], params: SamplingParams,
                  edges: list[int], prediction_s: float, store: RunStore | None = None,
-                 only: set[str] | None = None) -> dict[str, PolicyRun]:
+                 only: set[str] | None = None, prompt_kv: list[PrefixEntry] | None = None) -> dict[str, PolicyRun]:
     """Every policy on the same jobs; static batches on `static_engine` (slots for the largest
     variable-size batch), continuous batching on `continuous_engine` (VANILLA_BATCH slots).
     With `store`, a policy it already holds is taken from it and each new run is saved there;
-    with `only`, the other policies are not run (only taken from the store)."""
+    with `only`, the other policies are not run (only taken from the store). `prompt_kv`: the
+    predictor's prompt KV, held by the engine while a policy that read the predictions runs."""
     predicted, labels = [j.predicted for j in jobs], [j.label for j in jobs]
     budget = round(VANILLA_BATCH * (statistics.mean(len(j.prompt_ids) for j in jobs) + params.max_tokens))
     configs = policy_configs(edges, params.max_tokens, budget)
@@ -155,17 +195,30 @@ def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: l
             continue
         if only is not None and name not in only:
             continue
-        lengths = lengths_of[LENGTHS_READ[name]]
-        if name.startswith("continuous"):
-            runs[name] = run_continuous(continuous_engine, jobs, params, lengths)
-        else:
-            runs[name] = run_binned(static_engine, jobs, params, configs[name], lengths)
+        lengths, progress = lengths_of[LENGTHS_READ[name]], print_progress(name, len(jobs))
+        engine = continuous_engine if name.startswith("continuous") else static_engine
+        with holding(engine, prompt_kv if lengths is predicted else None):
+            if engine is continuous_engine:
+                runs[name] = run_continuous(engine, jobs, params, lengths, progress)
+            else:
+                runs[name] = run_binned(engine, jobs, params, configs[name], lengths, progress)
         if lengths is predicted:
             runs[name].prediction_s = prediction_s
         if store is not None:
             store.save(name, runs[name])
         print(f"{name}: {runs[name].wall_s:.1f} s", flush=True)
     return runs
+
+
+def print_progress(name: str, n: int, parts: int = 10):
+    """A progress callback for a policy run: a line each time another tenth of the `n` requests is answered."""
+    every = max(1, n // parts)
+
+    def report(answered: int, at_s: float) -> None:
+        if answered % every == 0 or answered == n:
+            print(f"  {name}: {answered}/{n} answered, {at_s:.0f} s", flush=True)
+
+    return report
 
 
 def compare(runs: dict[str, PolicyRun], jobs: list[Job]) -> dict:
@@ -261,20 +314,25 @@ def run(argv: list[str]) -> dict:
         "n": n, "seed": args.seed, "rows": [r["id"] for r in chosen], "labels": [r["label"] for r in chosen],
         "model": config.model, "max_tokens": max_tokens, "edges": EDGES,
         "vanilla_batch": VANILLA_BATCH, "vbs_max_batch": VBS_MAX_BATCH},
-        predictor=hashlib.sha256(b"".join(f.read_bytes() for f in sorted(args.adapter.iterdir()) if f.is_file()))
-        .hexdigest())
-    saved = store.predictions
-    if saved.exists():  # the same predictions (and their measured cost) for every part of the run
-        kept = json.loads(saved.read_text())
-        predictions, prediction_s = kept["predicted"], kept["seconds"]
-    else:
+        predictor=PREDICTION + hashlib.sha256(b"".join(f.read_bytes() for f in sorted(args.adapter.iterdir())
+                                                        if f.is_file())).hexdigest())
+    saved, prompt_kv = store.predictions, None
+    if not saved.exists() or any(store.load(name) is None for name in PREDICTED if only is None or name in only):
+        # the prompt KV is too large to keep between invocations: predicted again (and timed) where needed
         predictor = LengthPredictor(hf_model, tokenizer, PredictorConfig(adapter=str(args.adapter)))
-        predictions = predictor.predict([r["prompt"] for r in chosen])
-        prediction_s = predictor.seconds
-        saved.write_text(json.dumps({"predicted": predictions, "seconds": prediction_s}))
+        predictions, prompt_kv, prediction_s = predict_sharing_kv(predictor, ids)
+        print(f"predicted {n} lengths in {prediction_s:.0f} s ({len(prompt_kv)} distinct prompts' KV)", flush=True)
+        if not saved.exists():
+            saved.write_text(json.dumps({"predicted": predictions, "seconds": prediction_s}))
+    kept = json.loads(saved.read_text())  # every part of the run schedules by the first predictions
+    if prompt_kv is not None and kept["predicted"] != predictions:
+        print(f"note: {sum(a != b for a, b in zip(kept['predicted'], predictions))} predictions differ from the "
+              "kept ones; the kept ones are used")
+    predictions, prediction_s = kept["predicted"], prediction_s if prompt_kv is not None else kept["seconds"]
     jobs = [Job(id=f"r{i:05d}", prompt_ids=p, label=r["label"], predicted=q)
             for i, (r, p, q) in enumerate(zip(chosen, ids, predictions))]
-    runs = run_policies(static, continuous, jobs, params, EDGES, prediction_s, store=store, only=only)
+    runs = run_policies(static, continuous, jobs, params, EDGES, prediction_s, store=store, only=only,
+                        prompt_kv=prompt_kv)
     missing = [name for name in POLICIES if name not in runs]
     if missing:
         print(f"kept in {store.folder}: {', '.join(runs) or 'nothing yet'}; still to run: {', '.join(missing)} "

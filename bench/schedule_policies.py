@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.engine import LLMEngine
@@ -58,11 +59,15 @@ class PolicyRun:
     recompute_tokens: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # of the static micro-batches
 
-    def finish(self, request_id: str, token_ids: list[int], at_s: float) -> None:
+    def finish(self, request_id: str, token_ids: list[int], at_s: float,
+               progress: Callable[[int, float], None] | None = None) -> None:
+        """Record one answer; `progress(answered so far, at_s)` is told of it."""
         if request_id in self.answers:
             raise RuntimeError(f"request {request_id} was answered twice")
         self.answers[request_id] = list(token_ids)
         self.latency_s[request_id] = at_s
+        if progress is not None:
+            progress(len(self.answers), at_s)
 
 
 class _Member:
@@ -125,7 +130,7 @@ def run_static(engine: LLMEngine, requests: list[GenerationRequest]) -> tuple[li
 
 
 def run_binned(engine: LLMEngine, jobs: list[Job], params: SamplingParams, config: BatcherConfig,
-               lengths: list[int] | None) -> PolicyRun:
+               lengths: list[int] | None, progress: Callable[[int, float], None] | None = None) -> PolicyRun:
     """Every job submitted at t=0 to a `Batcher` (predicted_len from `lengths`, or none: all in the
     default bin), its micro-batches decoded one after another with `run_static`."""
     run, batcher = PolicyRun(), Batcher(config)
@@ -141,7 +146,7 @@ def run_binned(engine: LLMEngine, jobs: list[Job], params: SamplingParams, confi
         run.decode_tokens += computed
         run.batch_sizes.append(len(batch.requests))
         for result in batcher.report(batch.id, results):
-            run.finish(result.request_id, result.token_ids, clock())
+            run.finish(result.request_id, result.token_ids, clock(), progress)
     run.wall_s = clock()
     run.prefill_tokens = engine.stats()["prefill_tokens"] - prefilled
     run.recompute_tokens = batcher.stats()["recompute_tokens"]
@@ -149,7 +154,7 @@ def run_binned(engine: LLMEngine, jobs: list[Job], params: SamplingParams, confi
 
 
 def run_continuous(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
-                   lengths: list[int] | None) -> PolicyRun:
+                   lengths: list[int] | None, progress: Callable[[int, float], None] | None = None) -> PolicyRun:
     """Every job added to the engine at t=0; with `lengths`, the shortest predicted is admitted first."""
     run = PolicyRun()
     prefilled = engine.stats()["prefill_tokens"]
@@ -170,7 +175,7 @@ def run_continuous(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
             if event.finish_reason == FinishReason.STOP and member.finish is None:
                 member.sampled += 1  # the end token: sampled, not kept
             result = engine.pop_result(event.request_id)
-            run.finish(event.request_id, result.token_ids, time.perf_counter() - started)
+            run.finish(event.request_id, result.token_ids, time.perf_counter() - started, progress)
     run.wall_s = time.perf_counter() - started
     run.decode_tokens = sum(m.sampled for m in members.values())
     run.prefill_tokens = engine.stats()["prefill_tokens"] - prefilled

@@ -67,6 +67,11 @@ class PrefixCache:
             self.bytes -= evicted.nbytes
         return True
 
+    def clear(self) -> None:
+        """Drop every entry (the hit counts stay)."""
+        self._entries.clear()
+        self.bytes = 0
+
     def longest_match(self, prompt_ids: list[int], count: bool = True) -> PrefixEntry | None:
         """The longest cached prefix of `prompt_ids`; `count` records it as a hit or a miss."""
         best = None

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from bench.schedule_bench import HEADLINE, compare, draw_workload, policy_configs, run, run_policies
+from bench.schedule_bench import (HEADLINE, PREDICTED, compare, draw_workload, policy_configs, predict_sharing_kv,
+                                  print_progress, run, run_policies)
 from bench.schedule_policies import Job, run_continuous, run_static, summarize
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -209,3 +210,51 @@ def test_a_new_adapter_reruns_only_the_policies_that_read_predictions(workload, 
 def test_an_unknown_policy_name_stops_the_bench_naming_the_option():
     with pytest.raises(SystemExit, match="--policies: unknown"):
         run(["--policies", "vanilla,fastest"])
+
+
+def test_a_policy_run_reports_progress_each_tenth_of_the_requests(capsys):
+    report = print_progress("vanilla", 25)
+    for answered in range(1, 26):
+        report(answered, answered * 1.5)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "  vanilla: 2/25 answered, 3 s"
+    assert len(lines) == 13 and lines[-1] == "  vanilla: 25/25 answered, 38 s"
+
+
+def test_policies_that_read_predictions_start_after_the_predictors_prompt_kv_and_answer_the_same(
+        tiny_model, tiny_tokenizer, workload):
+    jobs, _, runs = workload
+    source = engine(tiny_model, tiny_tokenizer, max_batch_size=4)
+    prompt_kv = []
+    for prompt in {tuple(j.prompt_ids) for j in jobs}:  # the predictor's entries: the plain model's prompt KV
+        source.prefill_prefix(list(prompt))
+        prompt_kv.append(source.export_prefix(list(prompt)))
+    static = engine(tiny_model, tiny_tokenizer, max_batch_size=64, max_prefill_tokens=8192, prefix_cache_bytes=1024)
+    continuous = engine(tiny_model, tiny_tokenizer, max_batch_size=16, prefix_cache_bytes=1024)
+    shared = run_policies(static, continuous, jobs, PARAMS, EDGES, PREDICTION_S,
+                          only={"vanilla", *PREDICTED}, prompt_kv=prompt_kv)
+    for name, run_ in shared.items():
+        assert run_.answers == runs[name].answers, name
+    assert shared["vanilla"].prefill_tokens == runs["vanilla"].prefill_tokens > 0  # it did not read them: no KV
+    assert shared["continuous+predicted"].prefill_tokens == 0  # every prompt whole from the predictor
+    assert shared["predicted"].prefill_tokens == 0
+    # a cut answer resumes after its prompt's KV: only its kept tokens are prefilled again, not its prompt
+    assert 0 < shared[HEADLINE].prefill_tokens < shared[HEADLINE].recompute_tokens == runs[HEADLINE].recompute_tokens
+    for built in (static, continuous):  # held only while those policies ran, within a bound given back
+        assert len(built.prefix_cache) == 0 and built.prefix_cache.max_bytes == 1024
+
+
+def test_predicting_with_kv_keeps_one_entry_per_distinct_prompt_and_times_every_prediction():
+    from types import SimpleNamespace
+
+    class Predictor:
+        seconds = 1.5  # from earlier calls: not this run's
+
+        def predict_with_kv(self, prompts):
+            self.seconds += 0.25
+            return [len(p) for p in prompts], [SimpleNamespace(token_ids=tuple(p)) for p in prompts]
+
+    ids = [[1, 2], [3], [1, 2], [4, 5, 6], [3]]
+    lengths, entries, seconds = predict_sharing_kv(Predictor(), ids, chunk=2)
+    assert lengths == [2, 1, 2, 3, 1] and seconds == 0.75  # three chunks
+    assert sorted(e.token_ids for e in entries) == [(1, 2), (3,), (4, 5, 6)]
