@@ -146,12 +146,15 @@ def predict_sharing_kv(predictor: LengthPredictor, ids: list[list[int]], chunk: 
                        ) -> tuple[list[int], list[PrefixEntry], float]:
     """Every request's predicted length, each distinct prompt's KV from the predictor's prompt pass
     (what the service's predictor hands the decoder), and the seconds spent predicting. Run in
-    chunks, keeping one KV per distinct prompt, so a workload with repeats does not hold each again."""
-    lengths, entries, started = [], {}, predictor.seconds
-    for first in range(0, len(ids), chunk):
-        got, kv = predictor.predict_with_kv(ids[first : first + chunk])
-        lengths += got
-        for entry in kv:
+    chunks of prompts of similar length (as one call would sort them: little padding), keeping one
+    KV per distinct prompt, so a workload with repeats does not hold each again."""
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    lengths, entries, started = [0] * len(ids), {}, predictor.seconds
+    for first in range(0, len(order), chunk):
+        group = order[first : first + chunk]
+        got, kv = predictor.predict_with_kv([ids[i] for i in group])
+        for i, length, entry in zip(group, got, kv):
+            lengths[i] = length
             entries.setdefault(entry.token_ids, entry)
     return lengths, list(entries.values()), predictor.seconds - started
 

@@ -249,12 +249,16 @@ def test_predicting_with_kv_keeps_one_entry_per_distinct_prompt_and_times_every_
 
     class Predictor:
         seconds = 1.5  # from earlier calls: not this run's
+        calls = []
 
         def predict_with_kv(self, prompts):
             self.seconds += 0.25
-            return [len(p) for p in prompts], [SimpleNamespace(token_ids=tuple(p)) for p in prompts]
+            self.calls.append(prompts)
+            return [10 * len(p) + p[0] for p in prompts], [SimpleNamespace(token_ids=tuple(p)) for p in prompts]
 
     ids = [[1, 2], [3], [1, 2], [4, 5, 6], [3]]
-    lengths, entries, seconds = predict_sharing_kv(Predictor(), ids, chunk=2)
-    assert lengths == [2, 1, 2, 3, 1] and seconds == 0.75  # three chunks
+    predictor = Predictor()
+    lengths, entries, seconds = predict_sharing_kv(predictor, ids, chunk=2)
+    assert lengths == [21, 13, 21, 34, 13] and seconds == 0.75  # three chunks, each answer in its request's place
+    assert predictor.calls == [[[3], [3]], [[1, 2], [1, 2]], [[4, 5, 6]]]  # similar lengths together
     assert sorted(e.token_ids for e in entries) == [(1, 2), (3,), (4, 5, 6)]
