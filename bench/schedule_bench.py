@@ -233,7 +233,7 @@ def compare(runs: dict[str, PolicyRun], jobs: list[Job]) -> dict:
         "speedup_vs_vanilla": head["samples_per_s"] / vanilla["samples_per_s"],
         "effective_token_ratio": head["effective_token_ratio"],
         "recompute_ratio": head["recompute_ratio"],
-        "latency_vs_continuous": s["continuous+predicted"]["latency_mean_s"] / s["continuous"]["latency_mean_s"],
+        "latency_vs_continuous": latency_ratio(runs),
         "samples_per_s_vs_vanilla": {name: v["samples_per_s"] / vanilla["samples_per_s"] for name, v in s.items()},
         "prediction_share": head["prediction_s"] / head["wall_s"],
         "label_agreement": statistics.mean(len(reference[j.id]) == j.label for j in jobs),
@@ -245,6 +245,20 @@ def compare(runs: dict[str, PolicyRun], jobs: list[Job]) -> dict:
     out["targets"] = {key: target for key, (_, target) in TARGETS.items()}
     out["targets_met"] = {key: bool(op(out[key], target)) for key, (op, target) in TARGETS.items()}
     return out
+
+
+def policy_table(policies: dict[str, dict], vs_vanilla: dict[str, float] | None = None) -> str:
+    """The policies' summaries as a table; the ratio to vanilla's samples/s where given."""
+    rows = [[name, f"{p['samples_per_s']:.3f}", f"{p['tokens_per_s']:.1f}", f"{p['effective_token_ratio']:.0%}",
+             f"{p['recompute_ratio']:.1%}", f"{p['latency_mean_s']:.1f}", f"{p['latency_p99_s']:.1f}"]
+            + ([f"{vs_vanilla[name]:.2f}x"] if vs_vanilla else []) for name, p in policies.items()]
+    return table(["policy", "samples/s", "tok/s", "useful", "recomputed", "latency mean s", "p99 s"]
+                 + (["vs vanilla"] if vs_vanilla else []), rows)
+
+
+def latency_ratio(runs: dict[str, PolicyRun]) -> float:
+    """Mean latency of `continuous+predicted` over `continuous` (prediction time included)."""
+    return summarize(runs["continuous+predicted"])["latency_mean_s"] / summarize(runs["continuous"])["latency_mean_s"]
 
 
 def rounded(value, digits: int = 4):
@@ -338,6 +352,10 @@ def run(argv: list[str]) -> dict:
                         prompt_kv=prompt_kv)
     missing = [name for name in POLICIES if name not in runs]
     if missing:
+        if runs:  # what is there so far, so a long run split across invocations shows its figures as it goes
+            print(policy_table({name: summarize(run) for name, run in runs.items()}))
+            if "continuous" in runs and "continuous+predicted" in runs:
+                print(f"latency_vs_continuous: {latency_ratio(runs):.3f}")
         print(f"kept in {store.folder}: {', '.join(runs) or 'nothing yet'}; still to run: {', '.join(missing)} "
               f"(python -m bench schedule ... --policies {','.join(missing)})")
         return {}
@@ -363,10 +381,7 @@ def run(argv: list[str]) -> dict:
     result = rounded(result)
     path = write_result("schedule", result)
     _chart(policies, RESULTS / "schedule.png")
-    print(table(["policy", "samples/s", "tok/s", "useful", "recomputed", "latency mean s", "p99 s", "vs vanilla"],
-                [[name, f"{p['samples_per_s']:.3f}", f"{p['tokens_per_s']:.1f}", f"{p['effective_token_ratio']:.0%}",
-                  f"{p['recompute_ratio']:.1%}", f"{p['latency_mean_s']:.1f}", f"{p['latency_p99_s']:.1f}",
-                  f"{result['samples_per_s_vs_vanilla'][name]:.2f}x"] for name, p in policies.items()]))
+    print(policy_table(policies, result["samples_per_s_vs_vanilla"]))
     print({k: result[k] for k in (*TARGETS, "prediction_share", "label_agreement", "targets_met")})
     print(f"wrote {path}")
     return result

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from bench.schedule_bench import (HEADLINE, PREDICTED, compare, draw_workload, policy_configs, predict_sharing_kv,
-                                  print_progress, run, run_policies)
+from bench.schedule_bench import (HEADLINE, PREDICTED, compare, draw_workload, policy_configs, policy_table,
+                                  predict_sharing_kv, print_progress, run, run_policies)
 from bench.schedule_policies import Job, run_continuous, run_static, summarize
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -262,3 +262,13 @@ def test_predicting_with_kv_keeps_one_entry_per_distinct_prompt_and_times_every_
     assert lengths == [21, 13, 21, 34, 13] and seconds == 0.75  # three chunks, each answer in its request's place
     assert predictor.calls == [[[3], [3]], [[1, 2], [1, 2]], [[4, 5, 6]]]  # similar lengths together
     assert sorted(e.token_ids for e in entries) == [(1, 2), (3,), (4, 5, 6)]
+
+
+def test_the_table_shows_any_policies_and_the_ratio_to_vanilla_only_when_given(workload):
+    _, _, runs = workload
+    partial = policy_table({name: summarize(runs[name]) for name in ("continuous", "continuous+predicted")})
+    lines = partial.splitlines()
+    assert len(lines) == 4 and "vs vanilla" not in lines[0]
+    assert lines[2].split("|")[1].strip() == "continuous" and lines[3].split("|")[1].strip() == "continuous+predicted"
+    full = compare(runs, workload[0])
+    assert "| vs vanilla |" in policy_table(full["policies"], full["samples_per_s_vs_vanilla"]).splitlines()[0]
