@@ -232,7 +232,8 @@ def serve_app(args: dict):
         port = s.getsockname()[1]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # local.yaml's runtime_env, given to the whole job here (serve.run of an application object
-    # takes none): the replicas run as `serve run cluster/local.yaml` runs them
+    # takes none): the replicas run as under `serve run cluster/local.yaml`; the Serve controller and
+    # proxy get it too here, where `serve run` gives it to the application's replicas only
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", **app_env()}})
     try:
