@@ -203,11 +203,6 @@ def local_app() -> dict:
     return yaml.safe_load((REPO / "cluster" / "local.yaml").read_text())["applications"][0]
 
 
-def app_env() -> dict:
-    """The environment cluster/local.yaml gives the application's replicas (its runtime_env)."""
-    return dict(local_app().get("runtime_env", {}).get("env_vars", {}))
-
-
 def app_args(predictor: bool) -> dict:
     """cluster/local.yaml's application args, on the CPU (its decoders ask Ray for no GPU, so the
     in-process engine stays off any GPU too), without the length predictor unless asked."""
@@ -219,26 +214,33 @@ def app_args(predictor: bool) -> dict:
 
 
 @contextlib.contextmanager
-def serve_app(args: dict):
-    """The application on Ray Serve in this process, on a free local port: yields its base URL.
-    Its Decoder deployment keeps build_app's defaults (one replica, no autoscaling)."""
+def serve_app(args: dict, start_timeout_s: float = 600.0):
+    """cluster/local.yaml's application deployed here as `serve run` deploys a config (so its
+    runtime_env reaches the application's replicas, and only them), with `args`, on a free local
+    port: yields its base URL. Its deployment overrides are left out, so the Decoder keeps
+    build_app's defaults (one replica, no autoscaling), as the in-process side is one engine."""
     import ray
     from ray import serve
-
-    from deployments.app import build_app
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # local.yaml's runtime_env, given to the whole job here (serve.run of an application object
-    # takes none): the replicas run as under `serve run cluster/local.yaml`; the Serve controller and
-    # proxy get it too here, where `serve run` gives it to the application's replicas only
+    app = {**local_app(), "name": "plato", "route_prefix": "/", "args": args, "deployments": []}
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", **app_env()}})
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name="plato", route_prefix="/", blocking=False)
+        _get_global_client().deploy_apps(ServeDeploySchema(applications=[app]))  # what `serve run` calls
+        deadline = time.monotonic() + start_timeout_s
+        while (status := serve.status().applications.get("plato")) is None or status.status != "RUNNING":
+            if status is not None and status.status == "DEPLOY_FAILED":
+                raise SystemExit(f"the application failed to deploy: {status.message}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the application was not running after {start_timeout_s:.0f} s")
+            time.sleep(1)
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
