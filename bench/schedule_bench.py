@@ -128,6 +128,9 @@ class RunStore:
     def predictions(self) -> Path:
         return self.predicted_folder / "predictions.json"
 
+    def has(self, name: str) -> bool:
+        return self._path(name).exists()
+
     def load(self, name: str) -> PolicyRun | None:
         path = self._path(name)
         return PolicyRun(**json.loads(path.read_text())) if path.exists() else None
@@ -233,7 +236,7 @@ def compare(runs: dict[str, PolicyRun], jobs: list[Job]) -> dict:
         "speedup_vs_vanilla": head["samples_per_s"] / vanilla["samples_per_s"],
         "effective_token_ratio": head["effective_token_ratio"],
         "recompute_ratio": head["recompute_ratio"],
-        "latency_vs_continuous": latency_ratio(runs),
+        "latency_vs_continuous": latency_ratio(s),
         "samples_per_s_vs_vanilla": {name: v["samples_per_s"] / vanilla["samples_per_s"] for name, v in s.items()},
         "prediction_share": head["prediction_s"] / head["wall_s"],
         "label_agreement": statistics.mean(len(reference[j.id]) == j.label for j in jobs),
@@ -256,9 +259,10 @@ def policy_table(policies: dict[str, dict], vs_vanilla: dict[str, float] | None 
                  + (["vs vanilla"] if vs_vanilla else []), rows)
 
 
-def latency_ratio(runs: dict[str, PolicyRun]) -> float:
-    """Mean latency of `continuous+predicted` over `continuous` (prediction time included)."""
-    return summarize(runs["continuous+predicted"])["latency_mean_s"] / summarize(runs["continuous"])["latency_mean_s"]
+def latency_ratio(summaries: dict[str, dict]) -> float:
+    """Mean latency of `continuous+predicted` over `continuous` (prediction time included), from
+    the policies' `summarize`d runs."""
+    return summaries["continuous+predicted"]["latency_mean_s"] / summaries["continuous"]["latency_mean_s"]
 
 
 def rounded(value, digits: int = 4):
@@ -334,7 +338,7 @@ def run(argv: list[str]) -> dict:
         predictor=PREDICTION + hashlib.sha256(b"".join(f.read_bytes() for f in sorted(args.adapter.iterdir())
                                                         if f.is_file())).hexdigest())
     saved, prompt_kv = store.predictions, None
-    if not saved.exists() or any(store.load(name) is None for name in PREDICTED if only is None or name in only):
+    if not saved.exists() or any(not store.has(name) for name in PREDICTED if only is None or name in only):
         # the prompt KV is too large to keep between invocations: predicted again (and timed) where needed
         predictor = LengthPredictor(hf_model, tokenizer, PredictorConfig(adapter=str(args.adapter)))
         predictions, prompt_kv, prediction_s = predict_sharing_kv(predictor, ids)
@@ -342,10 +346,12 @@ def run(argv: list[str]) -> dict:
         if not saved.exists():
             saved.write_text(json.dumps({"predicted": predictions, "seconds": prediction_s}))
     kept = json.loads(saved.read_text())  # every part of the run schedules by the first predictions
-    if prompt_kv is not None and kept["predicted"] != predictions:
+    if prompt_kv is None:  # nothing predicted now: the kept measurement
+        prediction_s = kept["seconds"]
+    elif kept["predicted"] != predictions:
         print(f"note: {sum(a != b for a, b in zip(kept['predicted'], predictions))} predictions differ from the "
               "kept ones; the kept ones are used")
-    predictions, prediction_s = kept["predicted"], prediction_s if prompt_kv is not None else kept["seconds"]
+    predictions = kept["predicted"]
     jobs = [Job(id=f"r{i:05d}", prompt_ids=p, label=r["label"], predicted=q)
             for i, (r, p, q) in enumerate(zip(chosen, ids, predictions))]
     runs = run_policies(static, continuous, jobs, params, EDGES, prediction_s, store=store, only=only,
@@ -353,9 +359,10 @@ def run(argv: list[str]) -> dict:
     missing = [name for name in POLICIES if name not in runs]
     if missing:
         if runs:  # what is there so far, so a long run split across invocations shows its figures as it goes
-            print(policy_table({name: summarize(run) for name, run in runs.items()}))
+            summaries = {name: summarize(run) for name, run in runs.items()}
+            print(policy_table(summaries))
             if "continuous" in runs and "continuous+predicted" in runs:
-                print(f"latency_vs_continuous: {latency_ratio(runs):.3f}")
+                print(f"latency_vs_continuous: {latency_ratio(summaries):.3f}")
         print(f"kept in {store.folder}: {', '.join(runs) or 'nothing yet'}; still to run: {', '.join(missing)} "
               f"(python -m bench schedule ... --policies {','.join(missing)})")
         return {}
