@@ -42,7 +42,7 @@ import statistics
 from pathlib import Path
 
 from bench.common import RESULTS, machine, table, write_result
-from bench.schedule_policies import Job, PolicyRun, run_binned, run_continuous, summarize
+from bench.schedule_policies import Job, PolicyRun, box_speed, run_binned, run_continuous, summarize
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.loader import load_hf_model, resolve_model_dir, select_device_and_dtype
@@ -203,16 +203,19 @@ def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: l
             continue
         lengths, progress = lengths_of[LENGTHS_READ[name]], print_progress(name, len(jobs))
         engine = continuous_engine if name.startswith("continuous") else static_engine
+        before = box_speed(continuous_engine, jobs[0].prompt_ids)
         with holding(engine, prompt_kv if lengths is predicted else None):
             if engine is continuous_engine:
                 runs[name] = run_continuous(engine, jobs, params, lengths, progress)
             else:
                 runs[name] = run_binned(engine, jobs, params, configs[name], lengths, progress)
+        runs[name].box_tok_s = [before, box_speed(continuous_engine, jobs[0].prompt_ids)]
         if lengths is predicted:
             runs[name].prediction_s = prediction_s
         if store is not None:
             store.save(name, runs[name])
-        print(f"{name}: {runs[name].wall_s:.1f} s", flush=True)
+        print(f"{name}: {runs[name].wall_s:.1f} s (box speed {before:.0f} then {runs[name].box_tok_s[1]:.0f} tok/s)",
+              flush=True)
     return runs
 
 
@@ -233,10 +236,7 @@ def compare(runs: dict[str, PolicyRun], jobs: list[Job]) -> dict:
     reference = runs["continuous"].answers
     head, vanilla = s[HEADLINE], s["vanilla"]
     out = {
-        "speedup_vs_vanilla": head["samples_per_s"] / vanilla["samples_per_s"],
-        "effective_token_ratio": head["effective_token_ratio"],
-        "recompute_ratio": head["recompute_ratio"],
-        "latency_vs_continuous": latency_ratio(s),
+        **issue_keys(s),
         "samples_per_s_vs_vanilla": {name: v["samples_per_s"] / vanilla["samples_per_s"] for name, v in s.items()},
         "prediction_share": head["prediction_s"] / head["wall_s"],
         "label_agreement": statistics.mean(len(reference[j.id]) == j.label for j in jobs),
@@ -253,16 +253,27 @@ def compare(runs: dict[str, PolicyRun], jobs: list[Job]) -> dict:
 def policy_table(policies: dict[str, dict], vs_vanilla: dict[str, float] | None = None) -> str:
     """The policies' summaries as a table; the ratio to vanilla's samples/s where given."""
     rows = [[name, f"{p['samples_per_s']:.3f}", f"{p['tokens_per_s']:.1f}", f"{p['effective_token_ratio']:.0%}",
-             f"{p['recompute_ratio']:.1%}", f"{p['latency_mean_s']:.1f}", f"{p['latency_p99_s']:.1f}"]
+             f"{p['recompute_ratio']:.1%}", f"{p['latency_mean_s']:.1f}", f"{p['latency_p99_s']:.1f}",
+             "-" if p.get("box_tok_s") is None else f"{p['box_tok_s']:.0f}"]
             + ([f"{vs_vanilla[name]:.2f}x"] if vs_vanilla else []) for name, p in policies.items()]
-    return table(["policy", "samples/s", "tok/s", "useful", "recomputed", "latency mean s", "p99 s"]
+    return table(["policy", "samples/s", "tok/s", "useful", "recomputed", "latency mean s", "p99 s", "box tok/s"]
                  + (["vs vanilla"] if vs_vanilla else []), rows)
 
 
-def latency_ratio(summaries: dict[str, dict]) -> float:
-    """Mean latency of `continuous+predicted` over `continuous` (prediction time included), from
-    the policies' `summarize`d runs."""
-    return summaries["continuous+predicted"]["latency_mean_s"] / summaries["continuous"]["latency_mean_s"]
+def issue_keys(summaries: dict[str, dict]) -> dict[str, float]:
+    """Those of the issue's keys that the `summarize`d runs given allow (all four once every policy
+    ran). `latency_vs_continuous`: mean latency of `continuous+predicted` over `continuous`,
+    prediction time included."""
+    out, head = {}, summaries.get(HEADLINE)
+    if head is not None and "vanilla" in summaries:
+        out["speedup_vs_vanilla"] = head["samples_per_s"] / summaries["vanilla"]["samples_per_s"]
+    if head is not None:
+        out["effective_token_ratio"] = head["effective_token_ratio"]
+        out["recompute_ratio"] = head["recompute_ratio"]
+    if "continuous" in summaries and "continuous+predicted" in summaries:
+        out["latency_vs_continuous"] = (summaries["continuous+predicted"]["latency_mean_s"]
+                                        / summaries["continuous"]["latency_mean_s"])
+    return out
 
 
 def rounded(value, digits: int = 4):
@@ -361,8 +372,8 @@ def run(argv: list[str]) -> dict:
         if runs:  # what is there so far, so a long run split across invocations shows its figures as it goes
             summaries = {name: summarize(run) for name, run in runs.items()}
             print(policy_table(summaries))
-            if "continuous" in runs and "continuous+predicted" in runs:
-                print(f"latency_vs_continuous: {latency_ratio(summaries):.3f}")
+            if keys := issue_keys(summaries):
+                print(", ".join(f"{key}: {value:.3f}" for key, value in keys.items()))
         print(f"kept in {store.folder}: {', '.join(runs) or 'nothing yet'}; still to run: {', '.join(missing)} "
               f"(python -m bench schedule ... --policies {','.join(missing)})")
         return {}

@@ -58,6 +58,7 @@ class PolicyRun:
     prefill_tokens: int = 0
     recompute_tokens: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # of the static micro-batches
+    box_tok_s: list[float] = field(default_factory=list)  # `box_speed` just before and just after the run
 
     def finish(self, request_id: str, token_ids: list[int], at_s: float,
                progress: Callable[[int, float], None] | None = None) -> None:
@@ -182,6 +183,25 @@ def run_continuous(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
     return run
 
 
+def box_speed(engine: LLMEngine, prompt_ids: list[int], rows: int = 16, steps: int = 32) -> float:
+    """Decode tokens/s of one fixed batch (`rows` copies of a prompt, `steps` tokens each, end token
+    ignored), its prefill step not timed. Taken just before and just after each policy run: policies
+    run one after another for half an hour each, and a shared 2-core machine's speed moves by 15% or
+    more within an hour, so this tells a policy's gain from the machine's."""
+    params = SamplingParams(max_tokens=steps, ignore_eos=True, stop_on_loop=False)
+    ids = [f"box-speed-{i}" for i in range(rows)]
+    for request_id in ids:
+        engine.add(GenerationRequest(id=request_id, prompt_ids=prompt_ids, params=params))
+    engine.step()
+    started, decoded = time.perf_counter(), 0
+    while engine.has_work():
+        decoded += sum(len(event.token_ids) for event in engine.step())
+    seconds = time.perf_counter() - started
+    for request_id in ids:
+        engine.pop_result(request_id)
+    return decoded / seconds
+
+
 def summarize(run: PolicyRun) -> dict:
     """Throughput, token shares and latency of one run. Prediction time counts against the policy:
     it is added to the wall time and to every request's latency (all are predicted before any is
@@ -206,4 +226,5 @@ def summarize(run: PolicyRun) -> dict:
         "latency_p99_s": latencies[math.ceil(0.99 * n) - 1],
         "batches": len(run.batch_sizes) or None,  # None: continuous batching has no batches
         "mean_batch_size": statistics.mean(run.batch_sizes) if run.batch_sizes else None,
+        "box_tok_s": statistics.mean(run.box_tok_s) if run.box_tok_s else None,  # None: run before the probe
     }

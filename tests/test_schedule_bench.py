@@ -4,14 +4,15 @@ steps, caps cut only overruns and the recompute is counted, and the reported rat
 ones."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
-from bench.schedule_bench import (HEADLINE, PREDICTED, compare, draw_workload, policy_configs, policy_table,
-                                  predict_sharing_kv, print_progress, run, run_policies)
-from bench.schedule_policies import Job, run_continuous, run_static, summarize
+from bench.schedule_bench import (HEADLINE, PREDICTED, compare, draw_workload, issue_keys, policy_configs,
+                                  policy_table, predict_sharing_kv, print_progress, run, run_policies)
+from bench.schedule_policies import Job, box_speed, run_continuous, run_static, summarize
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.types import FinishReason, GenerationRequest, SamplingParams
@@ -272,3 +273,33 @@ def test_the_table_shows_any_policies_and_the_ratio_to_vanilla_only_when_given(w
     assert lines[2].split("|")[1].strip() == "continuous" and lines[3].split("|")[1].strip() == "continuous+predicted"
     full = compare(runs, workload[0])
     assert "| vs vanilla |" in policy_table(full["policies"], full["samples_per_s_vs_vanilla"]).splitlines()[0]
+
+
+def test_the_box_speed_probe_decodes_a_fixed_batch_and_leaves_the_engine_as_it_was(tiny_model, tiny_tokenizer):
+    built = engine(tiny_model, tiny_tokenizer, max_batch_size=16)
+    before = built.stats()
+    assert box_speed(built, [30, 31, 32], rows=4, steps=5) > 0
+    after = built.stats()
+    assert not built.has_work() and len(built.prefix_cache) == 0
+    assert after["prefill_tokens"] - before["prefill_tokens"] == 4 * 3
+
+
+def test_every_policy_run_records_the_box_speed_before_and_after_it(workload):
+    _, _, runs = workload
+    for name, policy in runs.items():
+        assert len(policy.box_tok_s) == 2 and min(policy.box_tok_s) > 0, name
+        assert summarize(policy)["box_tok_s"] == sum(policy.box_tok_s) / 2
+    assert summarize(dataclasses.replace(runs["vanilla"], box_tok_s=[]))["box_tok_s"] is None  # kept from before
+
+
+def test_issue_keys_are_given_as_soon_as_the_runs_they_compare_are_there(workload):
+    jobs, _, runs = workload
+    s = {name: summarize(policy) for name, policy in runs.items()}
+    full = compare(runs, jobs)
+    assert issue_keys(s) == {key: full[key] for key in ("speedup_vs_vanilla", "effective_token_ratio",
+                                                         "recompute_ratio", "latency_vs_continuous")}
+    assert set(issue_keys({name: s[name] for name in ("vanilla", HEADLINE)})) == {
+        "speedup_vs_vanilla", "effective_token_ratio", "recompute_ratio"}
+    assert set(issue_keys({name: s[name] for name in ("continuous", "continuous+predicted")})) == {
+        "latency_vs_continuous"}
+    assert issue_keys({"vanilla": s["vanilla"], "oracle": s["oracle"]}) == {}
