@@ -25,7 +25,7 @@ bench/results/schedule.json and schedule.png.
 
 Each policy's run is kept in `--store` (bench/results/schedule_runs/<workload signature>/, those
 that read predictions in a subfolder per adapter) as it finishes, with the predictions, so the full
-run (1,024 requests, about half an hour per policy on a 2-core CPU) can be done a few policies at a
+run (1,024 requests, half an hour to an hour per policy on a 2-core CPU) can be done a few policies at a
 time (`--policies`) and resumes after an interruption; the comparison is written when all six are
 there.
 """
