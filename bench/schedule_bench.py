@@ -209,13 +209,13 @@ def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: l
                 runs[name] = run_continuous(engine, jobs, params, lengths, progress)
             else:
                 runs[name] = run_binned(engine, jobs, params, configs[name], lengths, progress)
-        runs[name].box_tok_s = [before, box_speed(continuous_engine, jobs[0].prompt_ids)]
+        after = box_speed(continuous_engine, jobs[0].prompt_ids)
+        runs[name].box_tok_s = [before, after]
         if lengths is predicted:
             runs[name].prediction_s = prediction_s
         if store is not None:
             store.save(name, runs[name])
-        print(f"{name}: {runs[name].wall_s:.1f} s (box speed {before:.0f} then {runs[name].box_tok_s[1]:.0f} tok/s)",
-              flush=True)
+        print(f"{name}: {runs[name].wall_s:.1f} s (box speed {before:.0f} then {after:.0f} tok/s)", flush=True)
     return runs
 
 
