@@ -28,6 +28,13 @@ that read predictions in a subfolder per adapter) as it finishes, with the predi
 run (1,024 requests, half an hour to an hour per policy on a 2-core CPU) can be done a few policies at a
 time (`--policies`) and resumes after an interruption; the comparison is written when all six are
 there.
+
+Run one after another, two policies meet this 2-core machine at different hours, and its speed moves
+by a quarter between them. `--in-turns A,B` serves just two policies in turns in one process instead
+(a micro-batch, or 16 steps of continuous batching, at a time; the one that has run least goes next),
+each on its own engine and timed on its own clock, prediction included for the one that reads
+predictions: their ratio is then free of the machine's drift. Those pairs are kept in the store and
+in bench/results/schedule_in_turns.json.
 """
 from __future__ import annotations
 
@@ -39,10 +46,12 @@ import json
 import operator
 import random
 import statistics
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 from bench.common import RESULTS, machine, table, write_result
-from bench.schedule_policies import Job, PolicyRun, box_speed, run_binned, run_continuous, summarize
+from bench.schedule_policies import (Job, PolicyClock, PolicyRun, binned_turns, box_speed, continuous_turns,
+                                     run_binned, run_continuous, run_in_turns, summarize)
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.loader import load_hf_model, resolve_model_dir, select_device_and_dtype
@@ -131,6 +140,12 @@ class RunStore:
     def has(self, name: str) -> bool:
         return self._path(name).exists()
 
+    def pair_folder(self, pair: tuple[str, str]) -> Path:
+        """Where the two runs of `pair` served in turns (`--in-turns`) are kept: apart from the runs
+        made alone, under the predictor's folder if either reads predictions."""
+        base = self.predicted_folder if set(pair) & set(PREDICTED) else self.folder
+        return base / "in_turns" / "__".join(name.replace("+", "_") for name in pair)
+
     def load(self, name: str) -> PolicyRun | None:
         path = self._path(name)
         return PolicyRun(**json.loads(path.read_text())) if path.exists() else None
@@ -145,21 +160,34 @@ def _digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def predict_sharing_kv(predictor: LengthPredictor, ids: list[list[int]], chunk: int = 64
-                       ) -> tuple[list[int], list[PrefixEntry], float]:
-    """Every request's predicted length, each distinct prompt's KV from the predictor's prompt pass
-    (what the service's predictor hands the decoder), and the seconds spent predicting. Run in
-    chunks of prompts of similar length (as one call would sort them: little padding), keeping one
-    KV per distinct prompt, so a workload with repeats does not hold each again."""
+def prediction_turns(predictor: LengthPredictor, ids: list[list[int]], chunk: int = 64
+                     ) -> Generator[None, None, tuple[list[int], list[PrefixEntry]]]:
+    """Every request's predicted length and each distinct prompt's KV from the predictor's prompt
+    pass (what the service's predictor hands the decoder), returned at the end; yields after each
+    chunk. Chunks hold prompts of similar length (as one call would sort them: little padding), and
+    one KV is kept per distinct prompt, so a workload with repeats does not hold each again."""
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    lengths, entries, started = [0] * len(ids), {}, predictor.seconds
+    lengths, entries = [0] * len(ids), {}
     for first in range(0, len(order), chunk):
         group = order[first : first + chunk]
         got, kv = predictor.predict_with_kv([ids[i] for i in group])
         for i, length, entry in zip(group, got, kv):
             lengths[i] = length
             entries.setdefault(entry.token_ids, entry)
-    return lengths, list(entries.values()), predictor.seconds - started
+        yield
+    return lengths, list(entries.values())
+
+
+def predict_sharing_kv(predictor: LengthPredictor, ids: list[list[int]], chunk: int = 64
+                       ) -> tuple[list[int], list[PrefixEntry], float]:
+    """`prediction_turns` run to the end, with the seconds the predictor spent."""
+    started, turns = predictor.seconds, prediction_turns(predictor, ids, chunk)
+    while True:
+        try:
+            next(turns)
+        except StopIteration as done:
+            lengths, entries = done.value
+            return lengths, entries, predictor.seconds - started
 
 
 @contextlib.contextmanager
@@ -217,6 +245,55 @@ def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: l
             store.save(name, runs[name])
         print(f"{name}: {runs[name].wall_s:.1f} s (box speed {before:.0f} then {after:.0f} tok/s)", flush=True)
     return runs
+
+
+def run_pair_in_turns(pair: tuple[str, str], engine_for: Callable[[str], LLMEngine], jobs: list[Job],
+                      params: SamplingParams, edges: list[int], predicting: Iterator | None = None,
+                      probe: LLMEngine | None = None) -> dict[str, PolicyRun]:
+    """Two policies served in turns in one process (`run_in_turns`), each on its own engine from
+    `engine_for(name)` (so neither reuses the other's cache) and timed on its own clock, so the
+    machine's drift hits both alike. A policy that reads predictions first runs `predicting` (a
+    `prediction_turns`), a chunk a turn on its own clock, and counts that as its `prediction_s`;
+    its engine then holds the predictor's prompt KV while it runs. With `probe`, both runs record
+    the box speed before and after the pair."""
+    if len(set(pair)) != 2 or not set(pair) <= set(POLICIES):
+        raise ValueError(f"in turns: two different policies of {', '.join(POLICIES)}; got {', '.join(pair)}")
+    predicted, labels = [j.predicted for j in jobs], [j.label for j in jobs]
+    reads = [name for name in pair if LENGTHS_READ[name] == "predicted"]
+    if len(reads) > 1:
+        raise ValueError(f"in turns: at most one policy that reads predictions; got {', '.join(reads)}")
+    if reads and predicting is None:
+        raise ValueError(f"in turns: {reads[0]} reads predictions; the predictor's turns are needed")
+    budget = round(VANILLA_BATCH * (statistics.mean(len(j.prompt_ids) for j in jobs) + params.max_tokens))
+    configs = policy_configs(edges, params.max_tokens, budget)
+    lengths_of = {None: None, "predicted": predicted, "labels": labels}
+    runs = {name: PolicyRun() for name in pair}
+    clocks = {name: PolicyClock() for name in pair}
+    turns = {}
+    for name in pair:
+        engine, lengths, progress = engine_for(name), lengths_of[LENGTHS_READ[name]], print_progress(name, len(jobs))
+        if name.startswith("continuous"):
+            policy = continuous_turns(engine, jobs, params, lengths, runs[name], clocks[name], progress)
+        else:
+            policy = binned_turns(engine, jobs, params, configs[name], lengths, runs[name], clocks[name], progress)
+        turns[name] = (_after_prediction(predicting, engine, policy, runs[name], clocks[name])
+                       if name in reads else policy)
+    before = box_speed(probe, jobs[0].prompt_ids) if probe is not None else None
+    run_in_turns(turns, clocks)
+    if probe is not None:
+        after = box_speed(probe, jobs[0].prompt_ids)
+        for run_ in runs.values():
+            run_.box_tok_s = [before, after]
+    return runs
+
+
+def _after_prediction(predicting: Iterator, engine: LLMEngine, policy: Iterator[None], run: PolicyRun,
+                      clock: PolicyClock) -> Iterator[None]:
+    """The predictor's turns, then the policy's on an engine holding the predictor's prompt KV."""
+    _, entries = yield from predicting
+    run.prediction_s = clock()
+    with holding(engine, entries):
+        yield from policy
 
 
 def print_progress(name: str, n: int, parts: int = 10):
@@ -304,6 +381,39 @@ def _chart(policies: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def report_pair(pair: tuple[str, str], store: RunStore, measure: Callable[[], dict[str, PolicyRun]], n: int) -> dict:
+    """The pair's runs in turns, from the store or measured now (and kept); printed, and added to
+    bench/results/schedule_in_turns.json under the pair's name with the issue's keys they allow."""
+    folder = store.pair_folder(pair)
+    paths = {name: folder / f"{name.replace('+', '_')}.json" for name in pair}
+    if all(path.exists() for path in paths.values()):
+        runs = {name: PolicyRun(**json.loads(path.read_text())) for name, path in paths.items()}
+        print(f"in turns: {', '.join(pair)} (from {folder})")
+    else:
+        runs = measure()
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, path in paths.items():
+            path.write_text(json.dumps(dataclasses.asdict(runs[name])))
+    summaries = {name: summarize(run) for name, run in runs.items()}
+    keys = issue_keys(summaries)
+    first, second = pair
+    entry = rounded({"requests": n, "policies": summaries, **keys,
+                     "samples_per_s_ratio": summaries[second]["samples_per_s"] / summaries[first]["samples_per_s"],
+                     "latency_mean_ratio": summaries[second]["latency_mean_s"] / summaries[first]["latency_mean_s"],
+                     "same_answers": statistics.mean(runs[first].answers[k] == runs[second].answers.get(k)
+                                                     for k in runs[first].answers),
+                     "machine": machine()})
+    path = RESULTS / "schedule_in_turns.json"
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    kept[" + ".join(pair)] = entry
+    path.write_text(json.dumps(kept, indent=1) + "\n")
+    print(policy_table(summaries))
+    print(f"{second} over {first}, served in turns: samples/s x{entry['samples_per_s_ratio']:.3f}, mean latency "
+          f"x{entry['latency_mean_ratio']:.3f}" + "".join(f", {k}: {v:.3f}" for k, v in keys.items()))
+    print(f"wrote {path}")
+    return entry
+
+
 def run(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench schedule", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -315,12 +425,21 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--policies", default=None,
                         help=f"comma-separated subset to run now (default all: {','.join(POLICIES)}); runs are kept "
                         "in --store, and the comparison is written once all six are there")
+    parser.add_argument("--in-turns", default=None, metavar="A,B",
+                        help="serve just these two policies in turns in one process, each on its own engine and "
+                        "clock, so the machine's drift hits both alike (e.g. vanilla,predicted+vbs+fcr); kept in "
+                        "--store and added to bench/results/schedule_in_turns.json")
     parser.add_argument("--store", type=Path, default=RESULTS / "schedule_runs",
                         help="folder of finished policy runs, per workload (reused when the workload is the same)")
     args = parser.parse_args(argv)
     only = set(args.policies.split(",")) if args.policies else None
     if only is not None and not only <= set(POLICIES):
         raise SystemExit(f"--policies: unknown {sorted(only - set(POLICIES))}; known: {', '.join(POLICIES)}")
+    pair = tuple(args.in_turns.split(",")) if args.in_turns else None
+    if pair is not None and (len(pair) != 2 or len(set(pair)) != 2 or not set(pair) <= set(POLICIES)
+                             or len(set(pair) & set(PREDICTED)) > 1):
+        raise SystemExit(f"--in-turns: two different policies of {', '.join(POLICIES)}, at most one of "
+                         f"{', '.join(PREDICTED)}; got {args.in_turns!r}")
     if not (args.adapter / "settings.json").exists():
         raise SystemExit(f"--adapter: no trained length adapter in {args.adapter}; train one with "
                          f"python -m predictor.train, or pass --adapter FOLDER")
@@ -349,7 +468,8 @@ def run(argv: list[str]) -> dict:
         predictor=PREDICTION + hashlib.sha256(b"".join(f.read_bytes() for f in sorted(args.adapter.iterdir())
                                                         if f.is_file())).hexdigest())
     saved, prompt_kv = store.predictions, None
-    if not saved.exists() or any(not store.has(name) for name in PREDICTED if only is None or name in only):
+    if not saved.exists() or (pair is None and any(not store.has(name) for name in PREDICTED
+                                                    if only is None or name in only)):
         # the prompt KV is too large to keep between invocations: predicted again (and timed) where needed
         predictor = LengthPredictor(hf_model, tokenizer, PredictorConfig(adapter=str(args.adapter)))
         predictions, prompt_kv, prediction_s = predict_sharing_kv(predictor, ids)
@@ -365,6 +485,20 @@ def run(argv: list[str]) -> dict:
     predictions = kept["predicted"]
     jobs = [Job(id=f"r{i:05d}", prompt_ids=p, label=r["label"], predicted=q)
             for i, (r, p, q) in enumerate(zip(chosen, ids, predictions))]
+    if pair is not None:
+        predicting = None
+        if set(pair) & set(PREDICTED):  # predicted again in the pair's turns, timed on its policy's clock
+            predicting = prediction_turns(LengthPredictor(hf_model, tokenizer, PredictorConfig(adapter=str(args.adapter))),
+                                          ids)
+        kinds = {"continuous": config, "static": static.config}
+
+        def engine_for(name: str) -> LLMEngine:
+            built = LLMEngine(hf_model, tokenizer, kinds["continuous" if name.startswith("continuous") else "static"])
+            built.generate([GenerationRequest(prompt_ids=ids[0], params=SamplingParams(max_tokens=4))])
+            return built
+
+        return report_pair(pair, store, lambda: run_pair_in_turns(pair, engine_for, jobs, params, EDGES, predicting,
+                                                                   probe=continuous), n)
     runs = run_policies(static, continuous, jobs, params, EDGES, prediction_s, store=store, only=only,
                         prompt_kv=prompt_kv)
     missing = [name for name in POLICIES if name not in runs]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from engine.engine import LLMEngine
@@ -130,42 +130,80 @@ def run_static(engine: LLMEngine, requests: list[GenerationRequest]) -> tuple[li
     return [members[r.id].result(engine.tokenizer, latency) for r in requests], computed
 
 
-def run_binned(engine: LLMEngine, jobs: list[Job], params: SamplingParams, config: BatcherConfig,
-               lengths: list[int] | None, progress: Callable[[int, float], None] | None = None) -> PolicyRun:
+class PolicyClock:
+    """Seconds one policy has run: it advances only between `resume()` and `pause()`, so that policies
+    served in turns in one process (`run_in_turns`) each count only their own turns."""
+
+    def __init__(self):
+        self._spent, self._since = 0.0, None
+
+    def resume(self) -> None:
+        self._since = time.perf_counter()
+
+    def pause(self) -> None:
+        self._spent += time.perf_counter() - self._since
+        self._since = None
+
+    def __call__(self) -> float:
+        return self._spent + (0.0 if self._since is None else time.perf_counter() - self._since)
+
+
+def running_clock() -> PolicyClock:
+    """A clock for a policy that runs alone: running from now on."""
+    clock = PolicyClock()
+    clock.resume()
+    return clock
+
+
+def binned_turns(engine: LLMEngine, jobs: list[Job], params: SamplingParams, config: BatcherConfig,
+                 lengths: list[int] | None, run: PolicyRun, clock: Callable[[], float],
+                 progress: Callable[[int, float], None] | None = None) -> Iterator[None]:
     """Every job submitted at t=0 to a `Batcher` (predicted_len from `lengths`, or none: all in the
-    default bin), its micro-batches decoded one after another with `run_static`."""
-    run, batcher = PolicyRun(), Batcher(config)
+    default bin), its micro-batches decoded one after another with `run_static` into `run`; yields
+    after each micro-batch. Times are read from `clock`, from this generator's first turn."""
+    batcher = Batcher(config)
     for i, job in enumerate(jobs):
         predicted = None if lengths is None else lengths[i]
         batcher.submit(GenerationRequest(id=job.id, prompt_ids=job.prompt_ids, params=params,
                                          predicted_len=predicted), now=0.0)
-    prefilled = engine.stats()["prefill_tokens"]
-    started = time.perf_counter()
-    clock = lambda: time.perf_counter() - started  # noqa: E731
-    while (batch := batcher.next_batch(clock())) is not None:
+    started = clock()
+    elapsed = lambda: clock() - started  # noqa: E731
+    while (batch := batcher.next_batch(elapsed())) is not None:
+        before = engine.stats()["prefill_tokens"]
         results, computed = run_static(engine, batch.requests)
+        run.prefill_tokens += engine.stats()["prefill_tokens"] - before
         run.decode_tokens += computed
         run.batch_sizes.append(len(batch.requests))
         for result in batcher.report(batch.id, results):
-            run.finish(result.request_id, result.token_ids, clock(), progress)
-    run.wall_s = clock()
-    run.prefill_tokens = engine.stats()["prefill_tokens"] - prefilled
+            run.finish(result.request_id, result.token_ids, elapsed(), progress)
+        run.wall_s = elapsed()
+        yield
     run.recompute_tokens = batcher.stats()["recompute_tokens"]
+
+
+def run_binned(engine: LLMEngine, jobs: list[Job], params: SamplingParams, config: BatcherConfig,
+               lengths: list[int] | None, progress: Callable[[int, float], None] | None = None) -> PolicyRun:
+    """`binned_turns` run alone to the end."""
+    run = PolicyRun()
+    for _ in binned_turns(engine, jobs, params, config, lengths, run, running_clock(), progress):
+        pass
     return run
 
 
-def run_continuous(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
-                   lengths: list[int] | None, progress: Callable[[int, float], None] | None = None) -> PolicyRun:
-    """Every job added to the engine at t=0; with `lengths`, the shortest predicted is admitted first."""
-    run = PolicyRun()
+def continuous_turns(engine: LLMEngine, jobs: list[Job], params: SamplingParams, lengths: list[int] | None,
+                     run: PolicyRun, clock: Callable[[], float], progress: Callable[[int, float], None] | None = None,
+                     steps_per_turn: int = 16) -> Iterator[None]:
+    """Every job added to the engine at t=0 (with `lengths`, the shortest predicted is admitted
+    first) and served by its continuous batching into `run`; yields every `steps_per_turn` steps."""
     prefilled = engine.stats()["prefill_tokens"]
-    started = time.perf_counter()
+    started = clock()
     members = {}
     for i, job in enumerate(jobs):
         request = GenerationRequest(id=job.id, prompt_ids=job.prompt_ids, params=params,
                                     priority=0 if lengths is None else -lengths[i])
         members[job.id] = _Member(request, engine.stop_token_ids)
         engine.add(request)
+    steps = 0
     while engine.has_work():
         for event in engine.step():
             member = members[event.request_id]
@@ -176,11 +214,42 @@ def run_continuous(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
             if event.finish_reason == FinishReason.STOP and member.finish is None:
                 member.sampled += 1  # the end token: sampled, not kept
             result = engine.pop_result(event.request_id)
-            run.finish(event.request_id, result.token_ids, time.perf_counter() - started, progress)
-    run.wall_s = time.perf_counter() - started
+            run.finish(event.request_id, result.token_ids, clock() - started, progress)
+        steps += 1
+        if steps % steps_per_turn == 0 and engine.has_work():
+            yield
+    run.wall_s = clock() - started
     run.decode_tokens = sum(m.sampled for m in members.values())
     run.prefill_tokens = engine.stats()["prefill_tokens"] - prefilled
+
+
+def run_continuous(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
+                   lengths: list[int] | None, progress: Callable[[int, float], None] | None = None) -> PolicyRun:
+    """`continuous_turns` run alone to the end."""
+    run = PolicyRun()
+    for _ in continuous_turns(engine, jobs, params, lengths, run, running_clock(), progress):
+        pass
     return run
+
+
+def run_in_turns(turns: dict[str, Iterator[None]], clocks: dict[str, PolicyClock]) -> list[str]:
+    """Serve several policies in one process, a turn at a time (a micro-batch, or some steps of
+    continuous batching), the one that has run least so far going next, each timed on its own clock.
+    Run one after another, two policies meet the machine at different hours, and this 2-core box's
+    speed moves by a quarter between them; in turns, both share every stretch of the run until the
+    shorter is done. Returns the order of the turns (policy names)."""
+    live, order = dict(turns), []
+    while live:
+        name = min(live, key=lambda n: clocks[n]())
+        order.append(name)
+        clocks[name].resume()
+        try:
+            next(live[name])
+        except StopIteration:
+            del live[name]
+        finally:
+            clocks[name].pause()
+    return order
 
 
 def box_speed(engine: LLMEngine, prompt_ids: list[int], rows: int = 16, steps: int = 32) -> float:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import pytest
 import torch
 
 from bench.schedule_bench import (HEADLINE, PREDICTED, compare, draw_workload, issue_keys, policy_configs,
-                                  policy_table, predict_sharing_kv, print_progress, run, run_policies)
-from bench.schedule_policies import Job, box_speed, run_continuous, run_static, summarize
+                                  policy_table, predict_sharing_kv, print_progress, run, run_pair_in_turns,
+                                  run_policies)
+from bench.schedule_policies import (Job, PolicyClock, box_speed, run_continuous, run_in_turns, run_static,
+                                     summarize)
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.types import FinishReason, GenerationRequest, SamplingParams
@@ -303,3 +306,117 @@ def test_issue_keys_are_given_as_soon_as_the_runs_they_compare_are_there(workloa
     assert set(issue_keys({name: s[name] for name in ("continuous", "continuous+predicted")})) == {
         "latency_vs_continuous"}
     assert issue_keys({"vanilla": s["vanilla"], "oracle": s["oracle"]}) == {}
+
+
+def test_a_policy_clock_counts_only_the_time_between_resume_and_pause():
+    clock = PolicyClock()
+    assert clock() == 0.0
+    clock.resume()
+    time.sleep(0.05)
+    clock.pause()
+    time.sleep(0.2)  # another policy's turn
+    assert 0.05 <= clock() < 0.2
+    clock.resume()
+    time.sleep(0.05)
+    assert 0.1 <= clock() < 0.3  # read while running: includes the current turn
+
+
+def test_turns_go_to_the_policy_that_has_run_least_until_both_are_done():
+    def turns(seconds: float, count: int):
+        for _ in range(count):
+            time.sleep(seconds)
+            yield
+
+    clocks = {"a": PolicyClock(), "b": PolicyClock()}
+    order = run_in_turns({"a": turns(0.1, 3), "b": turns(0.25, 2)}, clocks)
+    # a 0.1, b 0.25, a 0.2, a 0.3 (b has 0.25 < 0.3), b 0.5, then each finds its end in one more turn
+    assert order == ["a", "b", "a", "a", "b", "a", "b"]
+    assert 0.3 <= clocks["a"]() < 0.4 and 0.5 <= clocks["b"]() < 0.6
+
+
+def _prompt_kv(tiny_model, tiny_tokenizer, jobs):
+    source = engine(tiny_model, tiny_tokenizer, max_batch_size=4)
+    entries = []
+    for prompt in {tuple(j.prompt_ids) for j in jobs}:  # the predictor's entries: the plain model's prompt KV
+        source.prefill_prefix(list(prompt))
+        entries.append(source.export_prefix(list(prompt)))
+    return entries
+
+
+def _predicting(entries, turns: int = 3, seconds: float = 0.02):
+    """Stands in for `prediction_turns`: a few timed turns, then the prompt KV (lengths come from the jobs)."""
+    for _ in range(turns):
+        time.sleep(seconds)
+        yield
+    return None, entries
+
+
+@pytest.mark.parametrize("pair", [("continuous", "continuous+predicted"), ("vanilla", HEADLINE)])
+def test_two_policies_in_turns_answer_and_count_as_each_does_alone_on_its_own_engine(
+        tiny_model, tiny_tokenizer, workload, pair):
+    jobs, _, runs = workload
+    engines = {}
+
+    def engine_for(name):
+        config = {"max_batch_size": 16} if name.startswith("continuous") else {"max_batch_size": 64,
+                                                                               "max_prefill_tokens": 8192}
+        engines[name] = engine(tiny_model, tiny_tokenizer, prefix_cache_bytes=1024, **config)
+        return engines[name]
+
+    started = time.perf_counter()
+    paired = run_pair_in_turns(pair, engine_for, jobs, PARAMS, EDGES,
+                               _predicting(_prompt_kv(tiny_model, tiny_tokenizer, jobs)),
+                               probe=engine(tiny_model, tiny_tokenizer, max_batch_size=16))
+    elapsed = time.perf_counter() - started
+    alone, reads = pair
+    assert paired[alone].answers == runs[alone].answers and paired[reads].answers == runs[reads].answers
+    assert paired[alone].decode_tokens == runs[alone].decode_tokens
+    assert paired[reads].decode_tokens == runs[reads].decode_tokens
+    assert paired[reads].recompute_tokens == runs[reads].recompute_tokens
+    assert paired[alone].prefill_tokens == runs[alone].prefill_tokens > 0  # no KV from the predictor
+    assert paired[reads].prefill_tokens < paired[reads].recompute_tokens or paired[reads].prefill_tokens == 0
+    assert paired[alone].prediction_s == 0 and paired[reads].prediction_s >= 0.06  # its three turns, its clock
+    # each timed on its own clock: together they fit in the pair's elapsed time, each alone well within
+    assert paired[alone].wall_s + paired[reads].wall_s + paired[reads].prediction_s <= elapsed
+    assert max(paired[alone].latency_s.values()) <= paired[alone].wall_s
+    assert paired[alone].box_tok_s == paired[reads].box_tok_s and len(paired[alone].box_tok_s) == 2
+    assert len(engines[reads].prefix_cache) == 0 and engines[reads].prefix_cache.max_bytes == 1024  # given back
+
+
+def test_a_pair_in_turns_is_two_different_policies_and_reads_predictions_only_with_the_predictor():
+    with pytest.raises(ValueError, match="two different policies"):
+        run_pair_in_turns(("vanilla", "vanilla"), None, [], PARAMS, EDGES)
+    with pytest.raises(ValueError, match="at most one policy that reads predictions"):
+        run_pair_in_turns(("predicted", HEADLINE), None, [], PARAMS, EDGES, _predicting([]))
+    with pytest.raises(ValueError, match="the predictor's turns are needed"):
+        run_pair_in_turns(("vanilla", HEADLINE), None, [], PARAMS, EDGES)
+    for bad in ("vanilla", "vanilla,vanilla", "vanilla,fastest", "predicted,continuous+predicted"):
+        with pytest.raises(SystemExit, match="--in-turns"):
+            run(["--in-turns", bad])
+
+
+def test_a_pair_in_turns_is_kept_reported_with_its_keys_and_read_back_without_running(
+        workload, tmp_path, monkeypatch, capsys):
+    import json
+
+    import bench.schedule_bench as schedule_bench
+    from bench.schedule_bench import RunStore, report_pair
+
+    jobs, _, runs = workload
+    monkeypatch.setattr(schedule_bench, "RESULTS", tmp_path)
+    store = RunStore(tmp_path / "runs", {"n": len(jobs)}, predictor="adapter")
+    pair = ("vanilla", HEADLINE)
+    entry = report_pair(pair, store, lambda: {name: runs[name] for name in pair}, len(jobs))
+    s = {name: summarize(runs[name]) for name in pair}
+    assert entry["speedup_vs_vanilla"] == round(s[HEADLINE]["samples_per_s"] / s["vanilla"]["samples_per_s"], 4)
+    assert entry["samples_per_s_ratio"] == entry["speedup_vs_vanilla"] and entry["same_answers"] == 1
+    assert "latency_vs_continuous" not in entry
+    assert store.pair_folder(pair).parent.parent == store.predicted_folder
+
+    def no_run():
+        raise AssertionError("a kept pair was run again")
+
+    again = report_pair(pair, store, no_run, len(jobs))
+    assert again["policies"] == entry["policies"]
+    kept = json.loads((tmp_path / "schedule_in_turns.json").read_text())
+    assert list(kept) == [f"vanilla + {HEADLINE}"] and f"{HEADLINE} over vanilla" in capsys.readouterr().out
