@@ -24,6 +24,7 @@ from actors.length_predictor import LengthPredictorReplica
 from actors.planner import PlannerReplica, batcher_service
 from deployments.api import create_app
 from deployments.config import AppConfig, load_app_config
+from deployments.cpu_priority import RoutingPriority, lower_routing_priority
 from deployments.metrics import AnswerMetrics, BatcherMetrics, DecoderMetrics
 from deployments.openai_schema import OpenAIRequest, RequestError
 from deployments.routing import RoutedBackend
@@ -48,6 +49,10 @@ class Decoder(DecoderReplica):
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
 class ContextCacheDeployment(ContextCache):
     """The shared context cache: one replica, so every decoder sees the same index."""
+
+    def __init__(self, config: dict, routing_priority: RoutingPriority = "normal"):
+        lower_routing_priority(routing_priority)
+        super().__init__(config)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -79,7 +84,9 @@ def _predict_through(predictor: DeploymentHandle):
 class Batcher(BatcherActor):
     """The one central batcher; it pushes micro-batches to the decoders through Serve's router."""
 
-    def __init__(self, config: dict, dispatch: dict, decoder: DeploymentHandle, predictor: DeploymentHandle | None):
+    def __init__(self, config: dict, dispatch: dict, decoder: DeploymentHandle, predictor: DeploymentHandle | None,
+                 routing_priority: RoutingPriority = "normal"):
+        lower_routing_priority(routing_priority)
         stream = decoder.options(stream=True)
         super().__init__(config, send_batch=lambda batch: stream.run_batch.remote(batch),
                          predict=_predict_through(predictor) if predictor is not None else None,
@@ -90,7 +97,9 @@ class Batcher(BatcherActor):
 class Planner(PlannerReplica):
     """The planner actor (actors.planner), with the app's health report."""
 
-    def __init__(self, engine_config: dict, limits: dict, answer: dict, batcher: DeploymentHandle):
+    def __init__(self, engine_config: dict, limits: dict, answer: dict, batcher: DeploymentHandle,
+                 routing_priority: RoutingPriority = "normal"):
+        lower_routing_priority(routing_priority)
         super().__init__(engine_config, limits, answer, batcher, observer=AnswerMetrics())
 
     async def health(self) -> dict:
@@ -138,6 +147,7 @@ class Ingress:
 
     def __init__(self, planner: DeploymentHandle, batcher: DeploymentHandle, config: dict):
         self.config = AppConfig.model_validate(config)
+        lower_routing_priority(self.config.routing_priority)
         self.api_key = self.config.resolve_api_key()  # a missing key fails the replica's start, loudly
         plain = batcher_service(self.config.engine.model_dump(), self.config.limits.model_dump(), batcher,
                                 observer=AnswerMetrics())
@@ -152,10 +162,12 @@ def build_app(args: dict | None = None) -> Application:
     """Serve application builder: `args` are the YAML's `args`, checked before anything starts."""
     config = load_app_config(args)
     engine = config.engine.model_dump()
-    cache = ContextCacheDeployment.bind(config.context_cache.model_dump())
+    cache = ContextCacheDeployment.bind(config.context_cache.model_dump(), config.routing_priority)
     decoder = Decoder.bind(engine, cache)
     predictor = LengthPredictor.bind(engine, config.predictor.model_dump(), cache) if config.predictor else None
-    batcher = Batcher.bind(config.batcher.model_dump(), config.dispatch.model_dump(), decoder, predictor)
-    planner = Planner.bind(engine, config.limits.model_dump(), config.answer.model_dump(), batcher)
+    batcher = Batcher.bind(config.batcher.model_dump(), config.dispatch.model_dump(), decoder, predictor,
+                          config.routing_priority)
+    planner = Planner.bind(engine, config.limits.model_dump(), config.answer.model_dump(), batcher,
+                           config.routing_priority)
     ingress = Ingress.options(max_ongoing_requests=config.limits.max_queued_requests + INGRESS_HEADROOM)
     return ingress.bind(planner, batcher, config.model_dump())

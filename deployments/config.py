@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from actors.batcher import DispatchConfig
 from actors.context_cache import ContextCacheConfig
 from deployments.completion_service import ApiLimits
+from deployments.cpu_priority import RoutingPriority
 from engine.config import EngineConfig
 from graph.orchestrator import AnswerConfig
 from predictor.batcher import BatcherConfig
@@ -32,6 +33,12 @@ class AppConfig(BaseModel):
     answer: AnswerConfig = Field(default_factory=AnswerConfig, description="Planned answers (sot, plato, auto).")
     context_cache: ContextCacheConfig = Field(default_factory=ContextCacheConfig,
                                               description="The shared context cache of plans and prefix KV.")
+    routing_priority: RoutingPriority = Field(
+        "normal",
+        description="CPU scheduling of the replicas that only route (ingress, planner, batcher, context cache): "
+        "`idle` puts their threads in Linux's SCHED_IDLE class, so on a CPU host they run on what the decoders "
+        "leave and never pre-empt a decoder's torch threads (deployments.cpu_priority); `normal` leaves them as "
+        "Ray starts them. GPU hosts: `normal`.")
     api_key: str | None = Field(
         None,
         min_length=1,

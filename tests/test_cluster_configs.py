@@ -134,6 +134,7 @@ def _gpu_args() -> dict:
         ({"limits": {"max_prompt_tokens": -1}}, r"limits\.max_prompt_tokens"),
         ({"limits": {"max_queue": 5}}, r"limits\.max_queue"),
         ({"api_key": "k", "api_key_env": "KEY"}, r"api_key_env"),
+        ({"routing_priority": "low"}, r"routing_priority"),
     ],
 )
 def test_a_wrong_app_setting_fails_naming_the_field(change, field):
@@ -176,3 +177,25 @@ def test_serve_configs_run_throughput_optimized_replicas_behind_the_proxy(name):
     env = app["runtime_env"]["env_vars"]
     assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"  # on, no proxy would serve http_options' port
+
+
+def test_local_config_runs_the_routing_replicas_at_idle_cpu_priority_and_the_decoders_normally():
+    from deployments.app import build_app
+
+    args = {**_load("local.yaml")["applications"][0]["args"], "predictor": None}
+    assert args["routing_priority"] == "idle" and load_app_config(args).routing_priority == "idle"
+    priority = {}
+
+    def walk(app):
+        bound = app._bound_deployment
+        given = [a for a in bound.init_args if a in ("idle", "normal")]
+        config = next((a for a in bound.init_args if isinstance(a, dict) and "routing_priority" in a), None)
+        priority[bound.name] = given[0] if given else (config or {}).get("routing_priority")
+        for child in bound.init_args:
+            if type(child).__name__ == "Application":
+                walk(child)
+
+    walk(build_app(args))
+    assert priority == {"Ingress": "idle", "Planner": "idle", "Batcher": "idle", "ContextCacheDeployment": "idle",
+                        "Decoder": None}
+    assert load_app_config(_gpu_args()).routing_priority == "normal"

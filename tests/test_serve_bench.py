@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 
 import httpx
@@ -175,15 +176,39 @@ def test_committed_subset_is_the_seeded_draw_of_the_shared_file(tmp_path):
     assert (DATA / DATA_FILE).read_text() == (tmp_path / DATA_FILE).read_text()
 
 
-def test_the_in_process_side_runs_at_the_niceness_of_rays_workers():
-    """Ray runs every Serve replica at worker niceness 15; the in-process side drops to it (and never
-    raises itself), so other work on the machine slows both sides alike."""
+def test_the_in_process_side_runs_at_the_niceness_it_is_given_and_never_raises_itself():
+    """The in-process side drops to the Decoder replica's niceness (Ray's worker niceness, 15, by
+    default), and never raises itself, so other work on the machine slows both sides alike."""
     import subprocess
     import sys
     from pathlib import Path
 
-    code = "import os; from bench.serve_bench import match_ray_worker_niceness as m; print(m(), os.nice(0))"
-    run = lambda *prefix: subprocess.run([*prefix, sys.executable, "-c", code], cwd=Path(__file__).parents[1],
-                                         capture_output=True, text=True, check=True).stdout.split()
+    code = ("import os, sys; from bench.serve_bench import match_ray_worker_niceness as m; "
+            "print(m(*map(int, sys.argv[1:])), os.nice(0))")
+    run = lambda *prefix, args=(): subprocess.run([*prefix, sys.executable, "-c", code, *args],
+                                                  cwd=Path(__file__).parents[1], capture_output=True, text=True,
+                                                  check=True).stdout.split()
     assert run() == ["15", "15"]
+    assert run(args=("12",)) == ["12", "12"]
     assert run("nice", "-n", "19") == ["19", "19"]
+
+
+def test_a_replicas_niceness_is_read_from_its_process_title():
+    """Ray titles a replica's process `ray::ServeReplica:<app>:<deployment>`; the bench finds it by that."""
+    import subprocess
+    import sys
+    import time
+
+    from bench.serve_bench import replica_niceness
+
+    child = subprocess.Popen(["nice", "-n", "7", sys.executable, "-c", "import time; time.sleep(30)",
+                              "ray::ServeReplica:testapp:Decoder"])
+    try:
+        deadline = time.monotonic() + 10
+        while (got := replica_niceness("Decoder", app="testapp")) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert got == min(19, os.nice(0) + 7)
+        assert replica_niceness("Decoder", app="no-such-app") is None
+    finally:
+        child.kill()
+        child.wait()
