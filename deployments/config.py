@@ -37,8 +37,9 @@ class AppConfig(BaseModel):
         "normal",
         description="CPU scheduling of the replicas that only route (ingress, planner, batcher, context cache): "
         "`idle` puts their threads in Linux's SCHED_IDLE class, so on a CPU host they run on what the decoders "
-        "leave and never pre-empt a decoder's torch threads (deployments.cpu_priority); `normal` leaves them as "
-        "Ray starts them. GPU hosts: `normal`.")
+        "leave and never pre-empt a decoder's torch threads (deployments.cpu_priority): only for one CPU decoder "
+        "that leaves a core partly free, since decoders that fill every core (autoscaled, one per core) starve "
+        "them; `normal` (default) leaves them as Ray starts them.")
     api_key: str | None = Field(
         None,
         min_length=1,

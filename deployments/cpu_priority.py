@@ -7,6 +7,10 @@ thread only on a core no normal thread wants and never lets it pre-empt one; the
 leaves a core partly free between matmuls (its Python is single-threaded), which is when they run.
 A process may lower its own threads' class without privileges. On a GPU host the decode runs off the
 CPU and this changes nothing that matters.
+
+Only for one CPU decoder that leaves a core partly free: where decoders keep every core busy (one per
+core, autoscaled, as cluster/local.yaml allows) an idle-class thread gets almost no CPU, and the
+batcher that feeds them stalls. So no config here sets it; `bench serve` measured it (README).
 """
 from __future__ import annotations
 
