@@ -51,7 +51,7 @@ from pathlib import Path
 
 from bench.common import RESULTS, machine, table, write_result
 from bench.schedule_policies import (Job, PolicyClock, PolicyRun, binned_turns, box_speed, continuous_turns,
-                                     run_binned, run_continuous, run_in_turns, summarize)
+                                     drain, run_in_turns, running_clock, summarize)
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.loader import load_hf_model, resolve_model_dir, select_device_and_dtype
@@ -181,13 +181,9 @@ def prediction_turns(predictor: LengthPredictor, ids: list[list[int]], chunk: in
 def predict_sharing_kv(predictor: LengthPredictor, ids: list[list[int]], chunk: int = 64
                        ) -> tuple[list[int], list[PrefixEntry], float]:
     """`prediction_turns` run to the end, with the seconds the predictor spent."""
-    started, turns = predictor.seconds, prediction_turns(predictor, ids, chunk)
-    while True:
-        try:
-            next(turns)
-        except StopIteration as done:
-            lengths, entries = done.value
-            return lengths, entries, predictor.seconds - started
+    started = predictor.seconds
+    lengths, entries = drain(prediction_turns(predictor, ids, chunk))
+    return lengths, entries, predictor.seconds - started
 
 
 @contextlib.contextmanager
@@ -208,6 +204,32 @@ def holding(engine: LLMEngine, entries: list[PrefixEntry] | None):
         cache.max_bytes = bound
 
 
+def policy_turns(jobs: list[Job], params: SamplingParams, edges: list[int]
+                 ) -> Callable[[str, LLMEngine, PolicyRun, Callable[[], float]], Iterator[None]]:
+    """`turns_of(name, engine, run, clock)`: the named policy's turns on `engine` into `run` (continuous batching, or a batcher's micro-batches
+    with the policy's config), as they run alone or in turns with another."""
+    budget = round(VANILLA_BATCH * (statistics.mean(len(j.prompt_ids) for j in jobs) + params.max_tokens))
+    configs = policy_configs(edges, params.max_tokens, budget)
+    lengths_of = {None: None, "predicted": [j.predicted for j in jobs], "labels": [j.label for j in jobs]}
+
+    def turns_of(name: str, engine: LLMEngine, run: PolicyRun, clock: Callable[[], float]) -> Iterator[None]:
+        lengths, progress = lengths_of[LENGTHS_READ[name]], print_progress(name, len(jobs))
+        if name.startswith("continuous"):
+            return continuous_turns(engine, jobs, params, lengths, run, clock, progress)
+        return binned_turns(engine, jobs, params, configs[name], lengths, run, clock, progress)
+
+    return turns_of
+
+
+def check_pair(pair: tuple[str, ...]) -> None:
+    """A pair to serve in turns: two different policies, at most one of them reading predictions
+    (the predictor's prompt KV is made once, for one engine); ValueError saying what is wrong."""
+    if len(pair) != 2 or len(set(pair)) != 2 or not set(pair) <= set(POLICIES):
+        raise ValueError(f"two different policies of {', '.join(POLICIES)}; got {', '.join(pair)}")
+    if len(reads := [name for name in pair if name in PREDICTED]) > 1:
+        raise ValueError(f"at most one policy that reads predictions; got {', '.join(reads)}")
+
+
 def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: list[Job], params: SamplingParams,
                  edges: list[int], prediction_s: float, store: RunStore | None = None,
                  only: set[str] | None = None, prompt_kv: list[PrefixEntry] | None = None) -> dict[str, PolicyRun]:
@@ -216,10 +238,7 @@ def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: l
     With `store`, a policy it already holds is taken from it and each new run is saved there;
     with `only`, the other policies are not run (only taken from the store). `prompt_kv`: the
     predictor's prompt KV, held by the engine while a policy that read the predictions runs."""
-    predicted, labels = [j.predicted for j in jobs], [j.label for j in jobs]
-    budget = round(VANILLA_BATCH * (statistics.mean(len(j.prompt_ids) for j in jobs) + params.max_tokens))
-    configs = policy_configs(edges, params.max_tokens, budget)
-    lengths_of = {None: None, "predicted": predicted, "labels": labels}
+    turns_of = policy_turns(jobs, params, edges)
     runs = {}
     for name in POLICIES:
         done = store.load(name) if store is not None else None
@@ -229,17 +248,15 @@ def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: l
             continue
         if only is not None and name not in only:
             continue
-        lengths, progress = lengths_of[LENGTHS_READ[name]], print_progress(name, len(jobs))
+        reads_predictions = LENGTHS_READ[name] == "predicted"
         engine = continuous_engine if name.startswith("continuous") else static_engine
         before = box_speed(continuous_engine, jobs[0].prompt_ids)
-        with holding(engine, prompt_kv if lengths is predicted else None):
-            if engine is continuous_engine:
-                runs[name] = run_continuous(engine, jobs, params, lengths, progress)
-            else:
-                runs[name] = run_binned(engine, jobs, params, configs[name], lengths, progress)
+        runs[name] = PolicyRun()
+        with holding(engine, prompt_kv if reads_predictions else None):
+            drain(turns_of(name, engine, runs[name], running_clock()))
         after = box_speed(continuous_engine, jobs[0].prompt_ids)
         runs[name].box_tok_s = [before, after]
-        if lengths is predicted:
+        if reads_predictions:
             runs[name].prediction_s = prediction_s
         if store is not None:
             store.save(name, runs[name])
@@ -256,26 +273,17 @@ def run_pair_in_turns(pair: tuple[str, str], engine_for: Callable[[str], LLMEngi
     `prediction_turns`), a chunk a turn on its own clock, and counts that as its `prediction_s`;
     its engine then holds the predictor's prompt KV while it runs. With `probe`, both runs record
     the box speed before and after the pair."""
-    if len(set(pair)) != 2 or not set(pair) <= set(POLICIES):
-        raise ValueError(f"in turns: two different policies of {', '.join(POLICIES)}; got {', '.join(pair)}")
-    predicted, labels = [j.predicted for j in jobs], [j.label for j in jobs]
-    reads = [name for name in pair if LENGTHS_READ[name] == "predicted"]
-    if len(reads) > 1:
-        raise ValueError(f"in turns: at most one policy that reads predictions; got {', '.join(reads)}")
+    check_pair(pair)
+    reads = [name for name in pair if name in PREDICTED]
     if reads and predicting is None:
-        raise ValueError(f"in turns: {reads[0]} reads predictions; the predictor's turns are needed")
-    budget = round(VANILLA_BATCH * (statistics.mean(len(j.prompt_ids) for j in jobs) + params.max_tokens))
-    configs = policy_configs(edges, params.max_tokens, budget)
-    lengths_of = {None: None, "predicted": predicted, "labels": labels}
+        raise ValueError(f"{reads[0]} reads predictions; the predictor's turns are needed")
+    turns_of = policy_turns(jobs, params, edges)
     runs = {name: PolicyRun() for name in pair}
     clocks = {name: PolicyClock() for name in pair}
     turns = {}
     for name in pair:
-        engine, lengths, progress = engine_for(name), lengths_of[LENGTHS_READ[name]], print_progress(name, len(jobs))
-        if name.startswith("continuous"):
-            policy = continuous_turns(engine, jobs, params, lengths, runs[name], clocks[name], progress)
-        else:
-            policy = binned_turns(engine, jobs, params, configs[name], lengths, runs[name], clocks[name], progress)
+        engine = engine_for(name)
+        policy = turns_of(name, engine, runs[name], clocks[name])
         turns[name] = (_after_prediction(predicting, engine, policy, runs[name], clocks[name])
                        if name in reads else policy)
     before = box_speed(probe, jobs[0].prompt_ids) if probe is not None else None
@@ -436,10 +444,11 @@ def run(argv: list[str]) -> dict:
     if only is not None and not only <= set(POLICIES):
         raise SystemExit(f"--policies: unknown {sorted(only - set(POLICIES))}; known: {', '.join(POLICIES)}")
     pair = tuple(args.in_turns.split(",")) if args.in_turns else None
-    if pair is not None and (len(pair) != 2 or len(set(pair)) != 2 or not set(pair) <= set(POLICIES)
-                             or len(set(pair) & set(PREDICTED)) > 1):
-        raise SystemExit(f"--in-turns: two different policies of {', '.join(POLICIES)}, at most one of "
-                         f"{', '.join(PREDICTED)}; got {args.in_turns!r}")
+    if pair is not None:
+        try:
+            check_pair(pair)
+        except ValueError as error:
+            raise SystemExit(f"--in-turns: {error}") from None
     if not (args.adapter / "settings.json").exists():
         raise SystemExit(f"--adapter: no trained length adapter in {args.adapter}; train one with "
                          f"python -m predictor.train, or pass --adapter FOLDER")
@@ -490,10 +499,13 @@ def run(argv: list[str]) -> dict:
         if set(pair) & set(PREDICTED):  # predicted again in the pair's turns, timed on its policy's clock
             predicting = prediction_turns(LengthPredictor(hf_model, tokenizer, PredictorConfig(adapter=str(args.adapter))),
                                           ids)
-        kinds = {"continuous": config, "static": static.config}
+        unused = {"continuous": [continuous], "static": [static]}  # the second of a kind gets an engine of its own
 
         def engine_for(name: str) -> LLMEngine:
-            built = LLMEngine(hf_model, tokenizer, kinds["continuous" if name.startswith("continuous") else "static"])
+            kind = "continuous" if name.startswith("continuous") else "static"
+            if unused[kind]:
+                return unused[kind].pop()
+            built = LLMEngine(hf_model, tokenizer, {"continuous": continuous, "static": static}[kind].config)
             built.generate([GenerationRequest(prompt_ids=ids[0], params=SamplingParams(max_tokens=4))])
             return built
 

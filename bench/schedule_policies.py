@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 from engine.engine import LLMEngine
@@ -181,15 +181,6 @@ def binned_turns(engine: LLMEngine, jobs: list[Job], params: SamplingParams, con
     run.recompute_tokens = batcher.stats()["recompute_tokens"]
 
 
-def run_binned(engine: LLMEngine, jobs: list[Job], params: SamplingParams, config: BatcherConfig,
-               lengths: list[int] | None, progress: Callable[[int, float], None] | None = None) -> PolicyRun:
-    """`binned_turns` run alone to the end."""
-    run = PolicyRun()
-    for _ in binned_turns(engine, jobs, params, config, lengths, run, running_clock(), progress):
-        pass
-    return run
-
-
 def continuous_turns(engine: LLMEngine, jobs: list[Job], params: SamplingParams, lengths: list[int] | None,
                      run: PolicyRun, clock: Callable[[], float], progress: Callable[[int, float], None] | None = None,
                      steps_per_turn: int = 16) -> Iterator[None]:
@@ -227,9 +218,17 @@ def run_continuous(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
                    lengths: list[int] | None, progress: Callable[[int, float], None] | None = None) -> PolicyRun:
     """`continuous_turns` run alone to the end."""
     run = PolicyRun()
-    for _ in continuous_turns(engine, jobs, params, lengths, run, running_clock(), progress):
-        pass
+    drain(continuous_turns(engine, jobs, params, lengths, run, running_clock(), progress))
     return run
+
+
+def drain(turns: Generator):
+    """Run a generator of turns to its end, alone; returns what it returns."""
+    while True:
+        try:
+            next(turns)
+        except StopIteration as done:
+            return done.value
 
 
 def run_in_turns(turns: dict[str, Iterator[None]], clocks: dict[str, PolicyClock]) -> list[str]:
