@@ -6,7 +6,9 @@ that prefix's KV: already here, else fetched from the shared context cache (comp
 replica). Else the engine caches it as the request's own prompt is prefilled (no separate step,
 which would stall every sequence decoding here), and the replica publishes it to the context cache
 once that prefill is done, for the others. A whole prompt's KV (shared by the length predictor) is
-only ever fetched, never published: no other request starts with all of it."""
+only ever fetched, never published: no other request starts with all of it. A request that asked to
+keep its KV (`keep_kv`: a plan node with children) has its prompt and answer published when it
+finishes, before its result goes back, so a child node's follow-up prompt finds them on any replica."""
 from __future__ import annotations
 
 import asyncio
@@ -53,6 +55,8 @@ class DecoderReplica:
             prefix = publish.get(request.id)
             try:
                 async for item in self.engine.stream(request):
+                    if isinstance(item, Result) and item.kept_kv_tokens:  # for children on other replicas
+                        await self._publish((request.prompt_ids + item.token_ids)[: item.kept_kv_tokens])
                     queue.put_nowait(item)
                     if prefix is not None:  # the first item comes after its prefill: the prefix is cached
                         await self._publish(prefix, len(prefix) < len(request.prompt_ids))

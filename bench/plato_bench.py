@@ -53,6 +53,9 @@ def _summary(answers: list[Answer], together: list[Answer], wall_s: float) -> di
         "plan_s_mean": round(statistics.mean([a.plan_s for a in answers if a.plan_s] or [0.0]), 2),
         "fallback_rate": round(sum(bool(a.fallback) for a in planned) / len(planned), 3) if planned else None,
         "prefix_hit_rate": round(sum(a.prefix_hit_tokens for a in answers) / prompt_tokens, 3) if prompt_tokens else None,
+        # the most any prefix cache could serve with these prompts: what earlier nodes had computed
+        "prefix_shareable_rate": round(sum(a.node_prompt_shareable_tokens for a in answers) / prompt_tokens, 3)
+        if prompt_tokens else None,
     }
 
 
@@ -81,8 +84,15 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--quick", action="store_true", help="4 questions, smaller budgets")
     parser.add_argument("--budget", type=int, default=None, help="answer-token budget of every mode")
     parser.add_argument("--planning-only", action="store_true", help="only the questions the router sends to plato")
+    parser.add_argument("--given-plans", action="store_true",
+                        help="plans with dependencies given (data/dag_plans.jsonl), nodes decoded: see bench/plato_dag.py")
+    parser.add_argument("--line-delay", type=float, default=1.5, help="with --given-plans: seconds per plan line")
     args = parser.parse_args(argv)
     budget = args.budget or (96 if args.quick else 192)
+    if args.given_plans:
+        from bench.plato_dag import run_given_plans
+
+        return run_given_plans(budget, args.line_delay, args.limit or (2 if args.quick else None))
     rows = load_jsonl(f"{args.data}.jsonl")
     if args.planning_only:
         rows = [r for r in rows if route(r["prompt"])[0] == "plato"]
@@ -126,6 +136,7 @@ def run(argv: list[str]) -> dict:
         "throughput_vs_ar": round(plato["answers_per_min"] / ar["answers_per_min"], 2),
         "pipeline_gain": round(summary["plato-no-pipeline"]["latency_mean_s"] / plato["latency_mean_s"], 2),
         "kv_reuse_overhead_cut": plato["prefix_hit_rate"],
+        "kv_reuse_ceiling": plato["prefix_shareable_rate"],
         "plan_valid_rate": round(1 - (plato["fallback_rate"] or 0.0), 3),
         "router_accuracy": round(statistics.mean(
             (route(r["prompt"])[0] == "plato") == bool(lab) for r, lab in zip(rows, labels)), 3)
@@ -134,10 +145,11 @@ def run(argv: list[str]) -> dict:
     }
     path = write_result("plato", result)
     _chart(summary, RESULTS / "plato.png")
-    print(table(["mode", "latency mean s", "p90 s", "answers/min", "tok/s", "fallback", "prefix hit"],
+    print(table(["mode", "latency mean s", "p90 s", "answers/min", "tok/s", "fallback", "prefix hit", "shareable"],
                 [[n, s["latency_mean_s"], s["latency_p90_s"], s["answers_per_min"], s["answer_tok_s"],
-                  s["fallback_rate"], s["prefix_hit_rate"]] for n, s in summary.items()]))
-    print({k: result[k] for k in ("speedup_vs_ar", "speedup_vs_ar_planned", "speedup_vs_ar_auto", "throughput_vs_ar", "pipeline_gain", "kv_reuse_overhead_cut",
+                  s["fallback_rate"], s["prefix_hit_rate"], s["prefix_shareable_rate"]] for n, s in summary.items()]))
+    print({k: result[k] for k in ("speedup_vs_ar", "speedup_vs_ar_planned", "speedup_vs_ar_auto", "throughput_vs_ar", "pipeline_gain",
+                                  "kv_reuse_overhead_cut", "kv_reuse_ceiling",
                                   "plan_valid_rate", "router_accuracy")})
     print(f"wrote {path}")
     return result

@@ -30,6 +30,7 @@ class _Sequence:
     cached: int = 0  # tokens of prompt + generated whose KV is in the slot
     first_token_at: float | None = None
     prefix_hit: int = 0
+    kept_kv: int = 0
     finish: FinishReason | None = None
     new_tokens: list[int] = field(default_factory=list)  # produced in the current step
     sent_chars: int = 0  # text already handed out in events
@@ -266,6 +267,7 @@ class LLMEngine(Engine):
 
     def _release(self, sequence: _Sequence) -> None:
         """Free the slot at once: the last running sequence moves into it, keeping slots dense."""
+        self._keep_answer_kv(sequence)  # before another sequence moves into its slot
         slot, last = sequence.slot, self._running.pop()
         if last is not sequence:
             self.runner.move_slot(last.slot, slot, last.cached)
@@ -273,6 +275,15 @@ class LLMEngine(Engine):
             self._running[slot] = last
         sequence.slot = -1
         self._store_result(sequence, sequence.finish)
+
+    def _keep_answer_kv(self, sequence: _Sequence) -> None:
+        if not sequence.request.keep_kv or sequence.finish not in (FinishReason.STOP, FinishReason.LENGTH):
+            return
+        key = tuple(sequence.tokens[: sequence.cached])
+        if self.prefix_cache.get(key) is None:
+            if not self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, len(key)), None)):
+                return
+        sequence.kept_kv = len(key)
 
     def _store_result(self, sequence: _Sequence, reason: FinishReason) -> None:
         now = time.perf_counter()
@@ -287,6 +298,7 @@ class LLMEngine(Engine):
             ttft_s=(sequence.first_token_at or now) - sequence.added_at,
             latency_s=now - sequence.added_at,
             prefix_hit_tokens=sequence.prefix_hit,
+            kept_kv_tokens=sequence.kept_kv,
         )
 
     # ---- prefixes and stats ---------------------------------------------------------------------

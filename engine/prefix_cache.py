@@ -9,20 +9,26 @@ import torch
 
 @dataclass
 class PrefixEntry:
-    """KV of a token prefix ([layers, kv_heads, length, head_dim] each) and the logits after it."""
+    """KV of a token prefix ([layers, kv_heads, length, head_dim] each) and the logits after it.
+
+    `last_logits` is None for a finished answer kept for its continuations (`keep_kv`): its last
+    token's logits were spent sampling the token that ended it, so the entry serves only prompts
+    that go on past it."""
 
     token_ids: tuple[int, ...]
     kv: tuple[torch.Tensor, torch.Tensor]
-    last_logits: torch.Tensor
+    last_logits: torch.Tensor | None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.kv, self.last_logits))
+        tensors = (*self.kv, self.last_logits) if self.last_logits is not None else self.kv
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def to(self, device) -> "PrefixEntry":
         """The same entry with its tensors on `device` (on "cpu" before it goes into Ray's object
         store: a process without a GPU cannot unpickle a CUDA tensor)."""
-        return PrefixEntry(tuple(self.token_ids), tuple(t.to(device) for t in self.kv), self.last_logits.to(device))
+        logits = self.last_logits.to(device) if self.last_logits is not None else None
+        return PrefixEntry(tuple(self.token_ids), tuple(t.to(device) for t in self.kv), logits)
 
 
 @dataclass(frozen=True)
@@ -73,10 +79,12 @@ class PrefixCache:
         self.bytes = 0
 
     def longest_match(self, prompt_ids: list[int], count: bool = True) -> PrefixEntry | None:
-        """The longest cached prefix of `prompt_ids`; `count` records it as a hit or a miss."""
+        """The longest cached prefix of `prompt_ids` (one without logits only when the prompt goes on
+        past it); `count` records it as a hit or a miss."""
         best = None
         for key, entry in self._entries.items():
-            if len(key) <= len(prompt_ids) and (best is None or len(key) > len(best.token_ids)):
+            fits = len(key) < len(prompt_ids) or (len(key) == len(prompt_ids) and entry.last_logits is not None)
+            if fits and (best is None or len(key) > len(best.token_ids)):
                 if tuple(prompt_ids[: len(key)]) == key:
                     best = entry
         if count:

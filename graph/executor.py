@@ -187,6 +187,11 @@ class DagExecution:
     def status(self, node_id: int) -> NodeStatus:
         return self._require(node_id)
 
+    def has_children(self, node_id: int) -> bool:
+        """Whether a node known so far needs this one."""
+        self._require(node_id)
+        return any(node_id in node.depends_on for node in self._normalizer.nodes)
+
     def parent_answers(self, node_id: int) -> dict[int, str]:
         """Answers of the node's parents, for its prompt."""
         self._require(node_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, Field
@@ -21,6 +22,7 @@ from graph.plan import Plan, PlanNode
 from graph.plan_format import StreamingPlanParser, parse_plan
 from graph.router import route
 from graph.prompts import (
+    follow_up_messages,
     node_messages,
     plan_messages,
     shared_prefix_messages,
@@ -73,6 +75,10 @@ class AnswerConfig(BaseModel):
     max_nodes: int = Field(6, ge=2, le=20, description="Plan nodes kept after repair.")
     pipelining: bool = Field(True, description="Start nodes while the plan is still streaming.")
     kv_reuse: bool = Field(True, description="Prefill each node prompt's shared prefix once and reuse it.")
+    follow_up_prompts: bool = Field(
+        True, description="A node with parents continues one parent's conversation (that parent's prompt and "
+        "answer, whose KV the engine keeps, then this node's own message) instead of quoting every parent's "
+        "answer after the shared plan prefix (graph.prompts.follow_up_messages).")
     plan_constraint: str | None = Field(
         "plan_lines", description="Engine constraint that keeps plan lines well formed; None to plan freely "
         "(also used when the model's tokenizer cannot express the constraint).")
@@ -103,8 +109,12 @@ class Answer(BaseModel):
     plan_s: float | None = Field(None, description="Seconds until the plan was complete.")
     fallback: str | None = Field(None, description="Why planning fell back to plain decoding.")
     nodes: list[NodeTiming] = Field(default_factory=list)
-    prefix_hit_tokens: int = 0
-    node_prompt_tokens: int = 0
+    prefix_hit_tokens: int = Field(0, description="Node prompt tokens served from the prefix cache.")
+    node_prompt_tokens: int = Field(0, description="Node prompt tokens in all (plan nodes, outline points).")
+    node_prompt_shareable_tokens: int = Field(
+        0, description="Node prompt tokens that an earlier node of the same answer had already computed (the "
+        "longest common start with an earlier node's prompt, or prompt and answer): the most any prefix cache "
+        "could serve with these prompts.")
 
 
 async def fixed_prefix_request(client: DecodeClient, messages: list[dict], params: SamplingParams) -> GenerationRequest:
@@ -173,11 +183,23 @@ class Orchestrator:
             mode="sot", text=assemble_answer(plan, answers), latency_s=0.0, plan=plan,
             completion_tokens=skeleton.completion_tokens + sum(r.completion_tokens for r in results),
             node_prompt_tokens=sum(map(len, prompts)),
+            node_prompt_shareable_tokens=sum(max((_common_length(p, q) for q in prompts[:i]), default=0)
+                                             for i, p in enumerate(prompts)),
         )
 
     async def _plato(self, question: str) -> Answer:
         run = _PlatoRun(self.client, self.config, question)
         return await run.execute()
+
+
+@dataclass
+class _NodeConversation:
+    """A finished node's prompt and answer, which the prompts of its children may continue."""
+
+    messages: list[dict]
+    answer: str
+    length: int  # tokens of prompt and answer
+    kept: list[int]  # the leading tokens of prompt + answer whose KV the engine kept (`keep_kv`)
 
 
 class _PlatoRun:
@@ -191,6 +213,9 @@ class _PlatoRun:
         self.tokens = 0
         self.prefix_hit_tokens = 0
         self.node_prompt_tokens = 0
+        self.shareable_tokens = 0
+        self.conversations: dict[int, _NodeConversation] = {}
+        self.computed: list[list[int]] = []  # node prompts, and prompts with answers, computed so far
 
     async def execute(self) -> Answer:
         plan_result, plan_s = await self._stream_plan()
@@ -207,7 +232,7 @@ class _PlatoRun:
             mode="plato", latency_s=0.0, plan=execution.plan, plan_s=plan_s, completion_tokens=self.tokens,
             text=assemble_answer(execution.plan, execution.answers, execution.failures),
             nodes=execution.timings(), prefix_hit_tokens=self.prefix_hit_tokens,
-            node_prompt_tokens=self.node_prompt_tokens,
+            node_prompt_tokens=self.node_prompt_tokens, node_prompt_shareable_tokens=self.shareable_tokens,
         )
 
     async def _stream_plan(self) -> tuple[Result, float]:
@@ -245,23 +270,27 @@ class _PlatoRun:
         execution = self.execution
         try:
             plan_so_far = execution.plan
-            messages = node_messages(self.question, plan_so_far, node, execution.parent_answers(node.id))
+            parents = execution.parent_answers(node.id)
+            lead_id = self._lead_parent(node) if self.config.follow_up_prompts else None
+            if lead_id is None:
+                messages = node_messages(self.question, plan_so_far, node, parents)
+            else:
+                lead = self.conversations[lead_id]
+                others = {p: a for p, a in parents.items() if p != lead_id}
+                messages = follow_up_messages(lead.messages, lead.answer, plan_so_far, node, others)
             ids = await self.client.encode_chat(messages)
-            shared = 0
+            shared, keep = 0, False
             if self.config.kv_reuse:
-                # marked, not prefilled apart: the engine caches the prefix as this node's prompt is
-                # prefilled (a separate prefill step would stall the plan still being decoded), and
-                # later nodes whose prompts start with it reuse it. While the plan streams, what every
-                # later node prompt starts with ends with the plan text so far, before the plan
-                # message's end-of-turn token (graph.prompts.streaming_prefix_probe)
-                prefix = await self.client.encode_chat(shared_prefix_messages(self.question, plan_so_far),
-                                                       add_generation_prompt=False)
-                if not execution.plan_is_complete:
-                    probe = await self.client.encode_chat(streaming_prefix_probe(self.question, plan_so_far),
-                                                          add_generation_prompt=False)
-                    prefix = prefix[: _common_length(prefix, probe)]
-                shared = len(prefix) if len(prefix) < len(ids) and ids[: len(prefix)] == prefix else 0
-            request = GenerationRequest(prompt_ids=ids, params=node_params(self.config), shared_prefix_len=shared)
+                if lead_id is not None:  # the lead's prompt and answer, kept by the engine
+                    shared = _common_length(ids, self.conversations[lead_id].kept)
+                else:
+                    shared = await self._plan_prefix_length(ids, plan_so_far)
+                # a node with children (or that may get some: the plan is still streaming) keeps its KV
+                keep = self.config.follow_up_prompts and (not execution.plan_is_complete or execution.has_children(node.id))
+            request = GenerationRequest(prompt_ids=ids, params=node_params(self.config),
+                                        shared_prefix_len=shared if shared < len(ids) else 0, keep_kv=keep)
+            self.shareable_tokens += max((_common_length(ids, seen) for seen in self.computed), default=0)
+            self.computed.append(ids)
             result = await self.client.generate(request)
         except Exception as exc:  # one failed node must not sink the others
             execution.node_failed(node.id, f"decoding failed: {exc}")
@@ -269,8 +298,33 @@ class _PlatoRun:
         self.tokens += result.completion_tokens
         self.prefix_hit_tokens += result.prefix_hit_tokens
         self.node_prompt_tokens += len(ids)
+        sequence = ids + result.token_ids
+        self.computed.append(sequence)
+        self.conversations[node.id] = _NodeConversation(messages, result.text, len(sequence),
+                                                        sequence[: result.kept_kv_tokens])
         execution.node_done(node.id, result.text, result.latency_s)
         self._dispatch()
+
+    def _lead_parent(self, node: PlanNode) -> int | None:
+        """The parent whose conversation this node's prompt continues: the longest one (most KV to
+        reuse), the later one on a tie; None for a node without parents."""
+        parents = [p for p in node.depends_on if p in self.conversations]
+        return max(parents, key=lambda p: (self.conversations[p].length, p), default=None)
+
+    async def _plan_prefix_length(self, ids: list[int], plan_so_far: Plan) -> int:
+        """How much of a parentless node's prompt to mark as shared: the instructions, the question and
+        the plan. Marked, not prefilled apart: the engine caches the prefix as this node's prompt is
+        prefilled (a separate prefill step would stall the plan still being decoded), and later nodes
+        whose prompts start with it reuse it. While the plan streams, what every later node prompt
+        starts with ends with the plan text so far, before the plan message's end-of-turn token
+        (graph.prompts.streaming_prefix_probe)."""
+        prefix = await self.client.encode_chat(shared_prefix_messages(self.question, plan_so_far),
+                                               add_generation_prompt=False)
+        if not self.execution.plan_is_complete:
+            probe = await self.client.encode_chat(streaming_prefix_probe(self.question, plan_so_far),
+                                                  add_generation_prompt=False)
+            prefix = prefix[: _common_length(prefix, probe)]
+        return len(prefix) if len(prefix) < len(ids) and ids[: len(prefix)] == prefix else 0
 
     async def _drain(self) -> None:
         """Wait for running nodes; on the deadline, fail what is left and stop waiting."""

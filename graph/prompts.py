@@ -132,6 +132,26 @@ def node_messages(question: str, plan: Plan, node: PlanNode, parent_answers: dic
     ]
 
 
+def follow_up_messages(lead_messages: list[dict], lead_answer: str, plan: Plan, node: PlanNode,
+                       other_parent_answers: dict[int, str]) -> list[dict]:
+    """The prompt of a node that has parents, as a follow-up in the conversation of one of them (the
+    lead): the lead's own prompt, its answer as the assistant's turn, then this node's task with the
+    other parents' answers.
+
+    Layout guarantee: the lead's prompt followed by its answer tokens is a token prefix of this
+    prompt (the answer closes with the template's end-of-turn token, as in `shared_prefix_messages`),
+    as long as the answer's text encodes back to the tokens that were generated, which it does for
+    text a model wrote and the engine decoded. So the KV the engine kept for the lead's prompt and
+    answer (`keep_kv`) is reused, and only this node's own message is prefilled: the lead's answer,
+    usually the longest part of a node prompt, is never computed twice. The plan shown is the
+    one the lead saw (while the plan streams, the part written so far); this node's own message
+    names its sub-question."""
+    return lead_messages + [
+        {"role": "assistant", "content": lead_answer},
+        {"role": "user", "content": node_task(node, other_parent_answers, plan)},
+    ]
+
+
 def sot_skeleton_messages(question: str) -> list[dict]:
     """The Skeleton-of-Thought first stage: a flat numbered list of short points, no dependencies.
     Its reply parses with `graph.plan_format.parse_plan` (lines without [needs: ...] have none)."""

@@ -89,6 +89,43 @@ def test_a_prefix_computed_on_one_replica_is_fetched_by_another_through_the_cont
     assert ray.get(cache.stats.remote())["prefix_entries"] == 1
 
 
+def test_a_kept_answer_on_one_replica_serves_a_follow_up_on_another(local_ray, make_engine, decode_alone):
+    """A plan node with children asks to keep its KV: replica a publishes its prompt and answer as it
+    finishes; the child's follow-up prompt (that conversation, then its own turn) runs on replica b,
+    which fetches them instead of prefilling them, and answers as a replica that computed them would."""
+    import asyncio
+
+    from actors.context_cache import ContextCache
+    from actors.decoder import DecoderReplica
+
+    cache = ray.remote(ContextCache).options(num_cpus=0).remote({})
+    a = DecoderReplica({}, cache, name="a", engine=make_engine(max_batch_size=2))
+    b = DecoderReplica({}, cache, name="b", engine=make_engine(max_batch_size=2))
+    prompt = [5 + i % 40 for i in range(24)]
+    params = SamplingParams(max_tokens=6, temperature=0.0).model_dump(mode="json")
+
+    async def results(replica, request: dict) -> list[dict]:
+        return [item["result"] async for message in replica.run_batch({"id": request["id"], "requests": [request]})
+                for item in message if "result" in item]
+
+    async def main():
+        [parent] = await results(a, {"id": "p", "prompt_ids": prompt, "params": params, "keep_kv": True})
+        kept = (prompt + parent["token_ids"])[: parent["kept_kv_tokens"]]
+        follow_up = kept + [7, 8, 9]
+        [child] = await results(b, {"id": "c", "prompt_ids": follow_up, "params": params, "shared_prefix_len": len(kept)})
+        return kept, follow_up, child
+
+    try:
+        kept, follow_up, child = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        a.engine.shutdown()
+        b.engine.shutdown()
+    assert len(kept) == len(prompt) + 5  # the answer ran to max_tokens: its last token has no KV
+    assert (b.counts["prefix_fetched"], b.counts["prefix_computed"]) == (1, 0)
+    assert child["prefix_hit_tokens"] == len(kept)
+    assert child["token_ids"] == decode_alone(follow_up, max_tokens=6).token_ids
+
+
 def test_the_predictors_prompt_kv_reaches_the_decoder_so_the_prompt_is_not_prefilled_twice(
         local_ray, make_engine, decode_alone, tiny_model, tiny_tokenizer, tmp_path):
     """The batcher asks the length predictor to share the prompt KV it computes anyway; the predictor

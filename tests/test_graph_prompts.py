@@ -12,6 +12,7 @@ from graph.plan_format import format_plan, parse_plan
 from graph.prompts import (
     PLAN_EXAMPLES,
     SOT_EXAMPLES,
+    follow_up_messages,
     node_messages,
     node_task,
     plan_messages,
@@ -169,3 +170,20 @@ def test_sot_prompts():
     assert point["content"].endswith("Write only point 2 (Coverage), in one or two sentences.")
     with pytest.raises(ValueError, match=r"point must be in 1..3, got 4"):
         sot_point_messages(QUESTION, ["a", "b", "c"], 4)
+
+
+@pytest.mark.parametrize("which", ["tiny_tokenizer", "bpe_tokenizer"])
+def test_a_parents_prompt_and_answer_tokens_are_a_token_prefix_of_its_childs_follow_up(which, request):
+    """Node 3 continues node 1's conversation; node 4 continues node 3's: the parent's prompt (with the
+    generation prompt) followed by its answer's tokens is how the child's prompt starts, so the KV
+    the engine kept for them is reused. The other parent's answer is quoted in the child's message."""
+    tokenizer = request.getfixturevalue(which)
+    one = node_messages(QUESTION, PLAN, PLAN.nodes[0], {})
+    three = follow_up_messages(one, ANSWERS[1], PLAN, PLAN.nodes[2], {2: ANSWERS[2]})
+    four = follow_up_messages(three, ANSWERS[3], PLAN, PLAN.nodes[3], {})
+    assert "Part 2 (How far does a litre go?): About 10 square metres per litre." in three[-1]["content"]
+    assert "Part 1 (" not in three[-1]["content"] and three[-1]["content"].endswith(PLAN.nodes[2].text)
+    for parent, answer, child in ((one, ANSWERS[1], three), (three, ANSWERS[3], four)):
+        kept = encode_chat(tokenizer, parent) + tokenizer.encode(answer, add_special_tokens=False)
+        ids = encode_chat(tokenizer, child)
+        assert ids[: len(kept)] == kept and len(ids) > len(kept)

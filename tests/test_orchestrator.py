@@ -21,9 +21,12 @@ class ScriptedClient:
         self.plan_text, self.line_delay, self.node_delay, self.fail_on = plan_text, line_delay, node_delay, fail_on
         self.log: list[str] = []
         self.prefixes: list[list[int]] = []
+        self.requests: list[GenerationRequest] = []  # node requests, in the order they ran
 
     async def encode_chat(self, messages, add_generation_prompt=True):
-        text = "\n".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<gen>" if add_generation_prompt else "")
+        """A chat template over characters: each message closes with '</>'; the generation prompt
+        opens an assistant message, so a prompt followed by its answer starts the follow-up."""
+        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages) + ("<assistant>" if add_generation_prompt else "")
         return [ord(c) for c in text]
 
     @staticmethod
@@ -31,7 +34,7 @@ class ScriptedClient:
         return "".join(map(chr, ids))
 
     def _result(self, request, text, reason=FinishReason.STOP, hit=0) -> Result:
-        return Result(request_id=request.id, prompt_tokens=len(request.prompt_ids), token_ids=[1] * len(text.split()),
+        return Result(request_id=request.id, prompt_tokens=len(request.prompt_ids), token_ids=[ord(c) for c in text],
                       text=text, finish_reason=reason, ttft_s=0.0, latency_s=self.node_delay, prefix_hit_tokens=hit)
 
     async def stream(self, request: GenerationRequest):
@@ -46,7 +49,7 @@ class ScriptedClient:
         prompt = self._text(request.prompt_ids)
         await asyncio.sleep(self.node_delay)
         if "in two or three sentences: " in prompt:
-            rest = prompt.rsplit("Answer part ", 1)[1].split("<gen>")[0]
+            rest = prompt.rsplit("Answer part ", 1)[1].split("</>")[0]
             step, text = rest.split(" in two or three sentences: ", 1)
             self.log.append(f"node:{step}")
             if self.fail_on and self.fail_on in text:
@@ -54,7 +57,11 @@ class ScriptedClient:
             hit = request.shared_prefix_len  # as if the engine had cached it
             if hit:
                 self.prefixes.append(list(request.prompt_ids[:hit]))
-            return self._result(request, f"answer to {text}", hit=hit)
+            self.requests.append(request)
+            result = self._result(request, f"answer to {text}", hit=hit)
+            if request.keep_kv:  # as the engine does: all of prompt and answer
+                result.kept_kv_tokens = len(request.prompt_ids) + len(result.token_ids)
+            return result
         if "Write only point" in prompt:
             point = prompt.rsplit("Write only point ", 1)[1].split(" ")[0]
             self.log.append(f"point:{point}")
@@ -135,6 +142,8 @@ def test_sot_expands_every_point_independently():
     assert client.log == ["skeleton", "point:1", "point:2", "point:3"]
     assert result.plan is not None and all(not n.depends_on for n in result.plan.nodes)
     assert "point 3 text" in result.text
+    # the baseline prefills every point prompt whole, though they share all but the point's number
+    assert result.prefix_hit_tokens == 0 and result.node_prompt_shareable_tokens > 0
 
 
 def test_ar_is_one_plain_generation():
@@ -224,10 +233,66 @@ def test_while_the_plan_streams_nodes_share_the_plan_so_far_up_to_its_last_line(
     """A node started mid-plan marks as shared what every later node prompt starts with: the
     instructions, the question and the plan text seen so far, not the plan message's closing;
     once the plan is complete, nodes share the whole plan message."""
-    client = ScriptedClient(DIAMOND, line_delay=0.05)
+    flat = "1. Find A [needs: none]\n2. Find B [needs: none]\n3. Find C [needs: none]"
+    client = ScriptedClient(flat, line_delay=0.05)
     answer(client, "plato")
     texts = [ScriptedClient._text(p) for p in client.prefixes]
-    node_1, node_4 = texts[0], texts[-1]
-    assert node_1.endswith("Plan:\n1. Find A") and "2. Use A for B" not in node_1
+    node_1 = texts[0]
+    assert node_1.endswith("Plan:\n1. Find A") and "2. Find B" not in node_1
+    assert texts[1].endswith("Plan:\n1. Find A\n2. Find B")
     assert all(later.startswith(node_1) for later in texts)
-    assert "Plan:" in node_4 and "4. Join B and C" in node_4
+    complete = ScriptedClient(flat)
+    answer(complete, "plato", pipelining=False)
+    assert all(ScriptedClient._text(p).endswith("Plan:\n1. Find A\n2. Find B\n3. Find C</>") for p in complete.prefixes)
+
+
+def test_a_node_with_parents_continues_its_lead_parents_conversation():
+    """Node 2 of the diamond follows up on node 1's prompt and answer and marks all of them as shared
+    (the KV node 1 kept); node 4 continues the longer of its parents' conversations (3: equal length,
+    the later wins) and gets the other parent's answer in its own message. Nodes with children keep
+    their KV; with the plan complete, the last node, which has none, does not."""
+    client = ScriptedClient(DIAMOND)
+    result = answer(client, "plato", pipelining=False)
+    by_step = {ScriptedClient._text(r.prompt_ids).rsplit("Answer part ", 1)[1][0]: r for r in client.requests}
+    text = {step: ScriptedClient._text(r.prompt_ids) for step, r in by_step.items()}
+    one = text["1"] + "answer to Find A"
+    assert text["2"].startswith(one + "</><user>Answer part 2") and by_step["2"].shared_prefix_len == len(one)
+    three = text["3"] + "answer to Use A for C"
+    assert text["4"].startswith(three + "</><user>Earlier parts, already answered:\nPart 2 (Use A for B): answer to Use A for B")
+    assert "Part 3 (" not in text["4"] and by_step["4"].shared_prefix_len == len(three)
+    assert [by_step[s].keep_kv for s in "1234"] == [True, True, True, False]
+    assert result.prefix_hit_tokens == sum(r.shared_prefix_len for r in client.requests)
+    # what earlier nodes had computed: node 1's prompt and answer (for 2), node 2's prompt up to its
+    # part number (for 3: a cache could serve it, though none was kept), node 3's prompt and answer (for 4)
+    assert result.node_prompt_shareable_tokens == 2 * len(one) + len("</><user>Answer part ") + len(three)
+
+
+def test_without_kv_reuse_the_prompts_are_the_same_but_nothing_is_shared_or_kept():
+    reusing, plain = ScriptedClient(DIAMOND), ScriptedClient(DIAMOND)
+    answer(reusing, "plato", pipelining=False)
+    result = answer(plain, "plato", pipelining=False, kv_reuse=False)
+    assert [r.prompt_ids for r in plain.requests] == [r.prompt_ids for r in reusing.requests]
+    assert not any(r.keep_kv or r.shared_prefix_len for r in plain.requests)
+    assert result.node_prompt_shareable_tokens > 0 and result.prefix_hit_tokens == 0
+
+
+def test_a_parent_whose_answer_was_not_kept_still_leads_but_nothing_is_marked_shared():
+    class ForgetfulClient(ScriptedClient):  # an engine whose cache had no room for the answers
+        async def generate(self, request):
+            result = await super().generate(request)
+            result.kept_kv_tokens = 0
+            return result
+
+    client = ForgetfulClient(DIAMOND)
+    result = answer(client, "plato", pipelining=False)
+    assert result.mode == "plato" and all(n.status.value == "done" for n in result.nodes)
+    assert [r.shared_prefix_len > 0 for r in client.requests] == [True, False, False, False]
+
+
+def test_without_follow_up_prompts_every_node_quotes_its_parents_after_the_plan_prefix():
+    client = ScriptedClient(DIAMOND)
+    answer(client, "plato", pipelining=False, follow_up_prompts=False)
+    texts = [ScriptedClient._text(r.prompt_ids) for r in client.requests]
+    assert all(t.count("<user>") == 2 for t in texts)  # the question, then the node's own message
+    four = next(t for t in texts if "Answer part 4" in t)
+    assert "Part 2 (Use A for B): answer to Use A for B" in four and "Part 3 (Use A for C): answer to Use A for C" in four

@@ -176,3 +176,41 @@ def test_requests_sharing_a_new_prefix_compute_it_once_even_when_they_arrive_tog
     assert engine.stats()["prefill_tokens"] == len(prefix) + 3 * 2  # the prefix once, then each tail
     assert [r.prefix_hit_tokens for r in results] == [0, len(prefix), len(prefix)]
     assert [r.token_ids for r in results] == [decode_alone(p, max_tokens=4).token_ids for p in prompts]
+
+
+def test_an_entry_without_logits_serves_only_prompts_that_go_on_past_it():
+    cache = PrefixCache(10_000)
+    kept = PrefixEntry((1, 2, 3), (torch.zeros(10), torch.zeros(10)), None)
+    assert kept.nbytes == 80 and kept.to("cpu").last_logits is None
+    cache.put(entry(1, 2))
+    cache.put(kept)
+    assert cache.longest_match([1, 2, 3, 4]).token_ids == (1, 2, 3)
+    assert cache.longest_match([1, 2, 3]).token_ids == (1, 2)  # no logits to sample the first token from
+
+
+@pytest.mark.parametrize("stops", [True, False])
+def test_a_kept_answer_serves_the_prompt_that_continues_its_conversation(make_engine, decode_alone, stops):
+    prompt = [9 + (i * 7) % 230 for i in range(20)]
+    engine = make_engine()
+    own_stop = engine.stop_token_ids
+    if stops:  # the tiny model never writes its end token: make the one it writes fourth end the answer
+        engine.stop_token_ids = {decode_alone(prompt, max_tokens=4).token_ids[3]}
+    [first] = engine.generate([GenerationRequest(prompt_ids=prompt, params=SamplingParams(max_tokens=12), keep_kv=True)])
+    assert first.finish_reason.value == ("stop" if stops else "length")
+    sequence = prompt + first.token_ids
+    # an answer that ends by itself has KV for all its tokens; one cut at its limit not for the last
+    assert first.kept_kv_tokens == len(sequence) - (0 if stops else 1)
+    follow_up = sequence + [50, 51, 52]
+    engine.stop_token_ids = own_stop
+    before = engine.stats()["prefill_tokens"]
+    [second] = engine.generate([GenerationRequest(prompt_ids=follow_up, params=SamplingParams(max_tokens=5))])
+    assert second.prefix_hit_tokens == first.kept_kv_tokens
+    assert engine.stats()["prefill_tokens"] - before == len(follow_up) - first.kept_kv_tokens
+    assert second.token_ids == decode_alone(follow_up, max_tokens=5).token_ids
+
+
+def test_an_answer_is_kept_only_when_asked(make_engine):
+    prompt = [9 + (i * 3) % 230 for i in range(12)]
+    engine = make_engine()
+    [result] = engine.generate([GenerationRequest(prompt_ids=prompt, params=SamplingParams(max_tokens=4))])
+    assert result.kept_kv_tokens == 0 and engine.stats()["prefix_entries"] == 0
