@@ -29,7 +29,7 @@ class DecoderReplica:
         if engine is None:
             from engine.engine import LLMEngine
 
-            engine = LLMEngine.from_config(EngineConfig(**engine_config))
+            engine = lambda: LLMEngine.from_config(EngineConfig(**engine_config))  # noqa: E731  (built on its thread)
         self.engine = AsyncEngine(engine)
         self.cache = context_cache
         self.name = name

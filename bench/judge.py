@@ -165,7 +165,7 @@ def _judge(config: JudgeConfig, api_key: str | None, transport, items: dict) -> 
             from engine.config import EngineConfig
             from engine.engine import LLMEngine
 
-            engine = AsyncEngine(LLMEngine.from_config(EngineConfig(max_batch_size=config.concurrency)))
+            engine = AsyncEngine(lambda: LLMEngine.from_config(EngineConfig(max_batch_size=config.concurrency)))
             stack.callback(engine.shutdown)
             transport = embedded_transport(engine, config.concurrency)
         try:

@@ -104,7 +104,7 @@ def run(argv: list[str]) -> dict:
     summary, raw = {}, {}
     for name, (mode, overrides) in VARIANTS.items():
         # a fresh engine per variant: no prefix cached by an earlier variant can help a later one
-        engine = AsyncEngine(LLMEngine.from_config(EngineConfig(max_batch_size=32, max_model_len=1024)))
+        engine = AsyncEngine(lambda: LLMEngine.from_config(EngineConfig(max_batch_size=32, max_model_len=1024)))
         try:
             config = base.model_copy(update=overrides)
             one_by_one, together, wall = asyncio.run(_run_variant(engine, mode, config, questions))

@@ -273,7 +273,7 @@ async def _both(base_url: str, args: dict, prompts: list[str], cli) -> tuple[dic
     from engine.engine import LLMEngine
     from engine.types import SamplingParams
 
-    engine = AsyncEngine(LLMEngine.from_config(EngineConfig(**args["engine"])))
+    engine = AsyncEngine(lambda: LLMEngine.from_config(EngineConfig(**args["engine"])))
     params = SamplingParams(max_tokens=cli.max_tokens, temperature=0.0,
                             stop_on_loop=ApiLimits(**args["limits"]).stop_on_loop)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=httpx.Limits(max_connections=None)) as client:

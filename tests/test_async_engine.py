@@ -229,3 +229,31 @@ def test_health_reports_a_stuck_step(serve):
     stuck, result = run(main())
     assert stuck["healthy"] is False and stuck["step_age_s"] >= 0.05
     assert result.finish_reason == FinishReason.LENGTH and async_engine.health()["healthy"]
+
+
+def test_an_engine_built_from_a_function_is_built_and_stepped_on_the_engine_thread(make_engine, decode_alone):
+    threads = {}
+
+    def build():
+        threads["built"] = threading.current_thread()
+        engine = make_engine(max_batch_size=2)
+        real_step = engine.step
+        engine.step = lambda: (threads.setdefault("stepped", threading.current_thread()), real_step())[1]
+        return engine
+
+    async_engine = AsyncEngine(build)
+    try:
+        request = GenerationRequest(prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=4))
+        result = asyncio.run(asyncio.wait_for(async_engine.generate(request), 30))
+    finally:
+        async_engine.shutdown()
+    assert threads["built"] is threads["stepped"] is not threading.main_thread()
+    assert result.token_ids == decode_alone([5, 6, 7], max_tokens=4).token_ids
+
+
+def test_an_engine_that_fails_to_build_raises_from_the_constructor():
+    def build():
+        raise FileNotFoundError("model: no such folder")
+
+    with pytest.raises(FileNotFoundError, match="model: no such folder"):
+        AsyncEngine(build)
