@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from engine.config import EngineConfig
 from graph.context_store import prefix_key
@@ -32,21 +33,28 @@ log = logging.getLogger(__name__)
 
 
 class LengthPredictorReplica:
-    """Runs predictions off the event loop, one batch at a time. `context_cache`: a handle to the
-    ContextCache actor, where `predict_and_share_many` publishes prompt KV (None: nothing is shared).
+    """Runs predictions off the event loop, one batch at a time, on one thread that also loads the
+    model: torch's OpenMP workers are per thread, and more of them than cores makes every matmul
+    slower (see engine.async_engine.AsyncEngine). `context_cache`: a handle to the ContextCache
+    actor, where `predict_and_share_many` publishes prompt KV (None: nothing is shared).
     `predictor`: an already built LengthPredictor (tests); otherwise one is loaded."""
 
     def __init__(self, engine_config: dict, predictor_config: dict, context_cache=None, name: str = "predictor",
                  predictor: LengthPredictor | None = None):
-        self.predictor = predictor or load_predictor(EngineConfig(**engine_config), PredictorConfig(**predictor_config))
+        self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predictor")
+        self.predictor = predictor or self._torch_thread.submit(
+            load_predictor, EngineConfig(**engine_config), PredictorConfig(**predictor_config)).result()
         self.cache = context_cache
         self.name = name
         self._lock = asyncio.Lock()
         self.counts = {"kv_shared": 0, "kv_share_failed": 0}
 
-    async def predict_many(self, prompts: list[list[int]]) -> list[int]:
+    async def _on_torch_thread(self, fn, *args):
         async with self._lock:  # one forward pass at a time; torch uses the replica's cores
-            return await asyncio.to_thread(self.predictor.predict_prompt_ids, prompts)
+            return await asyncio.get_running_loop().run_in_executor(self._torch_thread, fn, *args)
+
+    async def predict_many(self, prompts: list[list[int]]) -> list[int]:
+        return await self._on_torch_thread(self.predictor.predict_prompt_ids, prompts)
 
     async def predict_and_share_many(self, prompts: list[list[int]]) -> list[dict]:
         """{"length": tokens, "kv_len": n} per prompt, where the KV of the prompt's first n tokens (all
@@ -54,8 +62,7 @@ class LengthPredictorReplica:
         `prefix_key`; n is 0 where nothing was shared."""
         if self.cache is None:
             return [{"length": n, "kv_len": 0} for n in await self.predict_many(prompts)]
-        async with self._lock:
-            lengths, entries = await asyncio.to_thread(self.predictor.predict_with_kv, prompts)
+        lengths, entries = await self._on_torch_thread(self.predictor.predict_with_kv, prompts)
         return [{"length": n, "kv_len": await self._publish(entry)} for n, entry in zip(lengths, entries)]
 
     async def _publish(self, entry) -> int:
