@@ -286,7 +286,8 @@ class _PlatoRun:
                 else:
                     shared = await self._plan_prefix_length(ids, plan_so_far)
                 # a node with children (or that may get some: the plan is still streaming) keeps its KV
-                keep = self.config.follow_up_prompts and (not execution.plan_is_complete or execution.has_children(node.id))
+                may_have_children = not execution.plan_is_complete or execution.has_children(node.id)
+                keep = self.config.follow_up_prompts and may_have_children
             request = GenerationRequest(prompt_ids=ids, params=node_params(self.config),
                                         shared_prefix_len=shared if shared < len(ids) else 0, keep_kv=keep)
             self.shareable_tokens += max((_common_length(ids, seen) for seen in self.computed), default=0)
