@@ -46,12 +46,11 @@ class LengthPredictorReplica:
             load_predictor, EngineConfig(**engine_config), PredictorConfig(**predictor_config)).result()
         self.cache = context_cache
         self.name = name
-        self._lock = asyncio.Lock()
         self.counts = {"kv_shared": 0, "kv_share_failed": 0}
 
     async def _on_torch_thread(self, fn, *args):
-        async with self._lock:  # one forward pass at a time; torch uses the replica's cores
-            return await asyncio.get_running_loop().run_in_executor(self._torch_thread, fn, *args)
+        """One forward pass at a time (the thread's only worker), using the replica's cores."""
+        return await asyncio.get_running_loop().run_in_executor(self._torch_thread, fn, *args)
 
     async def predict_many(self, prompts: list[list[int]]) -> list[int]:
         return await self._on_torch_thread(self.predictor.predict_prompt_ids, prompts)

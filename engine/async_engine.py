@@ -130,9 +130,8 @@ class AsyncEngine:
                 self.engine = build()
             except BaseException as exc:  # the constructor raises it
                 self.error = exc
-                return
-            finally:
                 built.set()
+                return
         built.set()
         try:
             while not self._stopping:
