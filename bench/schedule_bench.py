@@ -112,7 +112,9 @@ def policy_configs(edges: list[int], max_tokens: int, token_budget: int) -> dict
 LENGTHS_READ = {"continuous": None, "vanilla": None, "predicted": "predicted", HEADLINE: "predicted",
                 "oracle": "labels", "continuous+predicted": "predicted"}  # what each policy schedules by
 POLICIES = tuple(LENGTHS_READ)
-PREDICTION = "prompt KV shared with the decoder:"  # how predictions are made, part of their runs' folder name
+# how predictions are made, part of their runs' folder name (runs kept before the lean prompt pass
+# are under the first string alone)
+PREDICTION = "prompt KV shared with the decoder:" + "lean prompt pass:"
 PREDICTED = tuple(name for name, read in LENGTHS_READ.items() if read == "predicted")
 
 

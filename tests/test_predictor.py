@@ -174,8 +174,9 @@ def test_given_kv_gives_the_same_lengths_and_the_returned_kv_is_the_engines_own(
         assert entry.token_ids == tuple(prompt)
         engine.prefill_prefix(prompt)
         own = engine.export_prefix(prompt)
-        assert torch.allclose(entry.kv[0], own.kv[0], atol=1e-4) and torch.allclose(entry.kv[1], own.kv[1], atol=1e-4)
-        assert torch.allclose(entry.last_logits, own.last_logits, atol=1e-3)
+        # the lean prompt pass is the engine's own forward: the same bits, packed with other prompts or not
+        assert torch.equal(entry.kv[0], own.kv[0]) and torch.equal(entry.kv[1], own.kv[1])
+        assert torch.equal(entry.last_logits, own.last_logits)
     # whole prompts handed in, leading parts handed in (from the engine), and a mix with none
     assert predictor.predict_prompt_ids(prompts, prefixes=entries) == lengths
     parts = []
@@ -230,3 +231,30 @@ def test_length_metrics():
                  "bin_accuracy": 0.5, "under_rate": 0.25}
     with pytest.raises(ValueError):
         length_metrics([], [], [1])
+
+
+def test_the_hf_prompt_pass_gives_the_same_lengths_and_kv_as_the_lean_one(tiny_model, tiny_tokenizer, saved):
+    lean = predictor_on(tiny_model, tiny_tokenizer, saved, batch_size=3)
+    hf = LengthPredictor(copy.deepcopy(tiny_model), tiny_tokenizer,
+                         PredictorConfig(adapter=str(saved), batch_size=3, prompt_pass="hf"))
+    assert hf.lean is None and lean.lean is not None
+    prompts = sequences(7, seed=8)
+    lengths, entries = lean.predict_with_kv(prompts)
+    hf_lengths, hf_entries = hf.predict_with_kv(prompts)
+    assert sum(abs(a - b) for a, b in zip(lengths, hf_lengths)) <= 1  # float rounding at most, on one
+    for a, b in zip(entries, hf_entries):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(a.kv[0], b.kv[0], atol=1e-4) and torch.allclose(a.last_logits, b.last_logits, atol=1e-3)
+
+
+def test_the_lean_prompt_pass_packs_prompts_and_refuses_what_it_cannot_hold(tiny_model, tiny_tokenizer, saved):
+    from predictor.predict import LeanPromptPass, _packs
+    from engine.llama import PrefillItem
+
+    items = [PrefillItem(i, [5] * n, 0) for i, n in enumerate([3, 4, 9, 2, 2])]
+    assert [[it.slot for it in pack] for pack in _packs(items, 8)] == [[0, 1], [2], [3, 4]]
+    lean = LeanPromptPass(copy.deepcopy(tiny_model), slots=2, max_len=16)
+    with pytest.raises(ValueError, match="at most 2"):
+        lean.run([[5, 6]] * 3, [2] * 3, [None] * 3, [0] * 3)
+    with pytest.raises(ValueError, match="at most 16 tokens"):
+        lean.run([[5] * 17], [17], [None], [0])
