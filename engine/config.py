@@ -35,6 +35,10 @@ class EngineConfig(BaseModel):
     prefix_cache_bytes: int = Field(
         256 * 2**20, ge=0, description="Memory bound of the prefix KV LRU; 0 disables prefix reuse."
     )
+    jump_forward: bool = Field(
+        True, description="Under a decoding constraint, append the tokens the constraint forces (only one token "
+        "may come next) without a decode step each: they run together in the next forward pass. The text is the "
+        "same; plan lines have about a quarter of their tokens forced.")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: all cores torch sees.")
     cache_dir: str | None = Field(
         None, description="Where converted embedded weights are cached; default ~/.cache/plato-serve."

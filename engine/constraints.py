@@ -41,6 +41,14 @@ class TokenConstraint(ABC):
     def is_complete(self) -> bool:
         """True once the text is a whole sentence of the grammar and nothing more may follow."""
 
+    def forced(self) -> int | None:
+        """The one token that may come next, or None when there is a choice (or no constraint)."""
+        mask = self.allowed()
+        if mask is None:
+            return None
+        ids = mask.nonzero()
+        return int(ids[0, 0]) if len(ids) == 1 else None
+
 
 def resolve_constraint(name: str) -> type:
     """The constraint class registered under `name`; ValueError naming `constraint` if unknown."""

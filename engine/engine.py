@@ -41,6 +41,10 @@ class _Sequence:
     def tokens(self) -> list[int]:
         return self.request.prompt_ids + self.generated
 
+    def token_at(self, position: int) -> int:
+        prompt = self.request.prompt_ids
+        return prompt[position] if position < len(prompt) else self.generated[position - len(prompt)]
+
 
 class LLMEngine(Engine):
     """Continuous batching: sequence i of the running batch lives in KV slot i; a finished sequence
@@ -61,7 +65,8 @@ class LLMEngine(Engine):
         self._by_id: dict[str, _Sequence] = {}
         self._results: dict[str, Result] = {}
         self._order = itertools.count()
-        self._stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0, "step_s": 0.0}
+        self._stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0, "step_s": 0.0,
+                       "forced_tokens": 0}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -131,12 +136,21 @@ class LLMEngine(Engine):
         self._release_finished(admitted)
         batch = list(self._running)
         if batch:
-            tokens = torch.tensor([s.generated[-1] for s in batch], device=self.runner.device)
+            tokens = torch.tensor([s.token_at(s.cached) for s in batch], device=self.runner.device)
             positions = torch.tensor([s.cached for s in batch], device=self.runner.device)
-            logits = self.runner.decode(tokens, positions)
+            # tokens a constraint forced (appended by `_accept` without steps of their own) run in
+            # this step's pass after their sequence's decode token; it samples after the last of them
+            behind = [(row, s) for row, s in enumerate(batch) if s.cached + 1 < len(s.tokens)]
+            extend = [PrefillItem(s.slot, s.tokens[s.cached + 1 :], s.cached + 1) for _, s in behind]
+            logits = self.runner.decode(tokens, positions, extend)
             for s in batch:
                 s.cached += 1
-            self._accept(batch, logits)
+            rows = list(range(len(batch)))
+            for j, (row, s) in enumerate(behind):
+                self._stats["forced_tokens"] += len(s.tokens) - s.cached
+                s.cached = len(s.tokens)
+                rows[row] = len(batch) + j
+            self._accept(batch, logits[rows] if behind else logits)
             self._release_finished(batch)
         seen = {id(s) for s in admitted}
         touched = admitted + [s for s in batch if id(s) not in seen]
@@ -216,18 +230,27 @@ class LLMEngine(Engine):
             if sequence.finish is not None:
                 continue
             sequence.first_token_at = sequence.first_token_at or now
-            if token in self.stop_token_ids and not sequence.request.params.ignore_eos:
-                sequence.finish = FinishReason.STOP
-                continue
-            sequence.generated.append(token)
-            sequence.new_tokens.append(token)
-            self._stats["generated_tokens"] += 1
-            sequence.detokenizer.add(sequence.generated)
-            if sequence.constraint is not None:
-                sequence.constraint.advance(token)
-            sequence.finish = self._check_finish(sequence)
-            if sequence.finish is None and sequence.loops is not None and sequence.loops.add(token):
-                sequence.finish = FinishReason.STOP
+            self._take(sequence, token)
+            while sequence.finish is None and sequence.constraint is not None and self.config.jump_forward:
+                forced = sequence.constraint.forced()
+                if forced is None:
+                    break
+                self._take(sequence, forced)  # its KV is computed with the next step's (`_run_forced`)
+
+    def _take(self, sequence: _Sequence, token: int) -> None:
+        """Append one token to the sequence (or end it on a stop token) and decide whether it is done."""
+        if token in self.stop_token_ids and not sequence.request.params.ignore_eos:
+            sequence.finish = FinishReason.STOP
+            return
+        sequence.generated.append(token)
+        sequence.new_tokens.append(token)
+        self._stats["generated_tokens"] += 1
+        sequence.detokenizer.add(sequence.generated)
+        if sequence.constraint is not None:
+            sequence.constraint.advance(token)
+        sequence.finish = self._check_finish(sequence)
+        if sequence.finish is None and sequence.loops is not None and sequence.loops.add(token):
+            sequence.finish = FinishReason.STOP
 
     def _check_finish(self, sequence: _Sequence) -> FinishReason | None:
         params = sequence.request.params

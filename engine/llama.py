@@ -74,6 +74,15 @@ class PrefillItem:
         return self.prefix_end - 1 - self.start if self.start < self.prefix_end < end else None
 
 
+def _bounds(items, offset: int = 0) -> list[tuple[int, int]]:
+    """Row ranges of the items' tokens packed one after another, starting at row `offset`."""
+    bounds = []
+    for it in items:
+        bounds.append((offset, offset + len(it.token_ids)))
+        offset += len(it.token_ids)
+    return bounds
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding: x*cos + rotate_half(x)*sin, with rotate_half's sign folded into the sine
     table so the rotation is a single roll."""
@@ -164,28 +173,47 @@ class LlamaRunner:
         return self.lm_head(self._norm(x, self.final_norm)).float()
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token for each of the sequences in slots 0..B-1; returns float32 logits [B, vocab]."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, extend: list[PrefillItem] = ()) -> torch.Tensor:
+        """One token for each of the sequences in slots 0..B-1; returns float32 logits [B, vocab].
+        `extend`: more tokens for some of those sequences, right after their decode token, run in
+        the same pass (a constraint's forced tokens); their last token's logits follow the B rows.
+        The matmuls compute every row on its own, so the decode rows get the same bits either way."""
         batch = tokens.shape[0]
         slots = torch.arange(batch, device=self.device)
         span = int(positions.max()) + 1
         hidden = (torch.arange(span, device=self.device)[None] > positions[:, None])[:, None, None]
+        if extend:
+            tokens = torch.cat([tokens, torch.tensor([t for it in extend for t in it.token_ids], device=self.device)])
+            positions = torch.cat([positions, *(torch.arange(it.start, it.start + len(it.token_ids), device=self.device)
+                                                for it in extend)])
+        bounds = _bounds(extend, batch)
         rope = self._rope(positions)
         group = self.num_heads // self.num_kv_heads
         x = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, rope)
-            self.k_cache[i, slots, :, positions] = k
-            self.v_cache[i, slots, :, positions] = v
+            self.k_cache[i, slots, :, positions[:batch]] = k[:batch]
+            self.v_cache[i, slots, :, positions[:batch]] = v[:batch]
+            for it, (lo, hi) in zip(extend, bounds):
+                self.k_cache[i, it.slot, :, it.start : it.start + hi - lo] = k[lo:hi].transpose(0, 1)
+                self.v_cache[i, it.slot, :, it.start : it.start + hi - lo] = v[lo:hi].transpose(0, 1)
             keys, values = self.k_cache[i, :batch, :, :span], self.v_cache[i, :batch, :, :span]
             if self.fused_decode_attention:
-                attn = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=~hidden, enable_gqa=True)
+                attn = F.scaled_dot_product_attention(q[:batch, :, None], keys, values, attn_mask=~hidden,
+                                                      enable_gqa=True)
             else:  # one query per sequence: on CPU plain batched matmuls beat SDPA's kernel here
-                q = q.view(batch, self.num_kv_heads, group, self.head_dim)
-                scores = (q @ keys.transpose(-1, -2) * self.head_dim**-0.5).masked_fill_(hidden, float("-inf"))
+                qd = q[:batch].view(batch, self.num_kv_heads, group, self.head_dim)
+                scores = (qd @ keys.transpose(-1, -2) * self.head_dim**-0.5).masked_fill_(hidden, float("-inf"))
                 attn = scores.softmax(dim=-1) @ values
-            x = layer.o.add_to(x, attn.reshape(batch, -1))
+            attn = attn.reshape(batch, -1)
+            if extend:
+                more = [self._prefill_attention(q[lo:hi], i, it.slot, it.start, it.start + hi - lo)
+                        for it, (lo, hi) in zip(extend, bounds)]
+                attn = torch.cat([attn, *(m.reshape(m.shape[0], -1) for m in more)])
+            x = layer.o.add_to(x, attn)
             x = self._mlp(layer, x)
+        if extend:
+            x = x[torch.tensor(list(range(batch)) + [hi - 1 for _, hi in bounds], device=self.device)]
         return self._logits(x)
 
     @torch.inference_mode()
@@ -195,10 +223,7 @@ class LlamaRunner:
         tokens = torch.tensor([t for it in items for t in it.token_ids], device=self.device)
         positions = torch.cat([torch.arange(it.start, it.start + len(it.token_ids)) for it in items])
         positions = positions.to(self.device)
-        bounds, offset = [], 0
-        for it in items:
-            bounds.append((offset, offset + len(it.token_ids)))
-            offset += len(it.token_ids)
+        bounds = _bounds(items)
         rope = self._rope(positions)
         x = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers):

@@ -67,6 +67,28 @@ def test_both_decode_attention_paths_match_hf(tiny_model, fused):
             torch.testing.assert_close(decode[row], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul-attention", "sdpa-attention"])
+def test_decode_with_extra_tokens_for_one_sequence_keeps_the_decode_rows_bit_identical(tiny_model, fused):
+    """Forced tokens run in the decode pass after their sequence's decode token: the decode rows get
+    the same bits as without them, and the extra rows' last logits are that sequence's next."""
+    a, b = ids(11, 3), ids(5, 4)
+    plain, extended = (LlamaRunner(tiny_model, max_slots=2, max_len=64) for _ in range(2))
+    with torch.no_grad():
+        for runner in (plain, extended):
+            runner.fused_decode_attention = fused
+            runner.prefill([PrefillItem(0, a, 0), PrefillItem(1, b, 0)])
+        tokens, positions = torch.tensor([9, 99]), torch.tensor([len(a), len(b)])
+        alone = plain.decode(tokens, positions)
+        both = extended.decode(tokens, positions, [PrefillItem(1, [40, 41, 42], len(b) + 1)])
+        assert both.shape[0] == 3 and torch.equal(both[:2], alone)
+        torch.testing.assert_close(both[2], tiny_model(torch.tensor([b + [99, 40, 41, 42]])).logits[0, -1],
+                                   atol=1e-5, rtol=1e-5)
+        # the slot holds the extra tokens' KV: decoding on from there matches the model
+        after = extended.decode(torch.tensor([9, 7]), torch.tensor([len(a) + 1, len(b) + 4]))
+        torch.testing.assert_close(after[1], tiny_model(torch.tensor([b + [99, 40, 41, 42, 7]])).logits[0, -1],
+                                   atol=1e-5, rtol=1e-5)
+
+
 # ---- greedy equivalence -------------------------------------------------------------------------
 def test_greedy_alone_equals_mixed_batch_equals_prefix_cached(make_engine, decode_alone):
     target = ids(12, 10)

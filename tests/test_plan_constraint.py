@@ -229,6 +229,26 @@ def test_unconstrained_requests_in_the_batch_are_unaffected(plan_engine):
         _assert_valid_plan(result.text)
 
 
+def test_forced_tokens_jump_forward_to_the_same_plan_in_fewer_steps(plan_engine):
+    """A token the constraint forces (e.g. ']' then the newline then the next id) is appended at once
+    and computed with the next step: the same greedy plan, fewer engine steps, a batch mate's
+    tokens unchanged."""
+    free = _request("g", max_tokens=40)
+    runs = {}
+    for jump in (False, True):
+        engine = plan_engine(max_batch_size=4, jump_forward=jump)
+        runs[jump] = (engine.generate([_request("c", max_tokens=900, constraint="plan_lines"), free]), engine.stats())
+    (stepped, free_stepped), stats_stepped = runs[False]
+    (jumped, free_jumped), stats_jumped = runs[True]
+    _assert_valid_plan(jumped.text)
+    assert jumped.token_ids == stepped.token_ids and jumped.text == stepped.text
+    assert free_jumped.token_ids == free_stepped.token_ids
+    assert stats_stepped["forced_tokens"] == 0 and stats_jumped["forced_tokens"] > 0
+    # the plan outlasts its 40-token batch mate, so it sets the step count: one step fewer per forced token
+    assert stats_jumped["steps"] > 41
+    assert stats_jumped["steps"] == stats_stepped["steps"] - stats_jumped["forced_tokens"]
+
+
 def test_resumed_request_continues_the_plan(plan_engine):
     [full] = plan_engine().generate([_request("a", max_tokens=900, constraint="plan_lines")])
     resumed = _request("b", full.token_ids[:9], max_tokens=900, constraint="plan_lines")
