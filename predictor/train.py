@@ -143,13 +143,17 @@ def train(args: argparse.Namespace) -> dict:
         optimizer, (lambda step: max(0.0, 1 - step / steps)) if args.lr_schedule == "linear" else (lambda step: 1.0))
     checkpoint = work / (f"checkpoint-l{settings.lora_layers}-r{settings.rank}-lr{args.lr}-{args.lr_schedule}"
                          f"-b{args.batch}-e{args.epochs}-s{args.seed}.pt")
+    if args.swa_from is not None:
+        checkpoint = checkpoint.with_name(checkpoint.stem + f"-swa{args.swa_from}.pt")
     first_epoch, history, train_seconds = 0, [], 0.0
+    average = WeightAverage(model)
     if checkpoint.exists():
         state = torch.load(checkpoint)
         model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         first_epoch, history, train_seconds = state["epoch"] + 1, state["history"], state["seconds"]
+        average.load(state.get("average"))
         print(f"resuming after epoch {first_epoch}", flush=True)
     rng = random.Random(args.seed)
     for epoch in range(args.epochs):
@@ -174,25 +178,70 @@ def train(args: argparse.Namespace) -> dict:
         train_seconds += time.perf_counter() - started
         history.append({"epoch": epoch + 1, "train_mae": round(total / len(groups), 1), "val": val})
         print(f"epoch {epoch + 1}: val {val}", flush=True)
+        if args.swa_from is not None and epoch + 1 >= args.swa_from:
+            average.add(model)
         torch.save({"model": {k: v for k, v in model.state_dict().items() if "lora_" in k or "head" in k},
                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "epoch": epoch,
-                    "history": history, "seconds": train_seconds}, checkpoint)
+                    "history": history, "seconds": train_seconds, "average": average.state()}, checkpoint)
 
+    averaged = None
+    if average.count:  # the adapter written is the average, decided before training (not picked on val)
+        average.apply(model)
+        averaged = length_metrics(predict_cached(model, val_features, start, args.batch), [r["label"] for r in val_rows],
+                                  args.edges) if val_rows else {}
+        print(f"average of the weights after epochs {args.swa_from}-{args.epochs}: val {averaged}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     (args.out / "settings.json").write_text(settings.model_dump_json(indent=2))
     summary = {"model": args.model, "label_parts": args.parts, "train_prompts": len(train_rows),
                "val_prompts": len(val_rows), "settings": settings.model_dump(), "lr": args.lr,
                "lr_schedule": args.lr_schedule, "batch": args.batch, "epochs": args.epochs, "seed": args.seed,
-               "feature_seconds": round(feature_seconds), "train_seconds": round(train_seconds), "history": history}
+               "feature_seconds": round(feature_seconds), "train_seconds": round(train_seconds), "history": history,
+               "swa_from": args.swa_from, "swa_val": averaged}
     (args.out / "training.json").write_text(json.dumps(summary, indent=2))
     write_card(args.out, summary)
     return summary
 
 
+class WeightAverage:
+    """Running mean of the trainable weights (LoRA and head) taken at epoch ends: stochastic weight
+    averaging. At a constant learning rate the held-out error swings from one epoch to the next
+    (within 100 tokens 0.81-0.86 on the embedded model's labels); the average sits between the swings."""
+
+    def __init__(self, model):
+        self.names = [name for name, param in model.named_parameters() if param.requires_grad]
+        self.mean: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def add(self, model) -> None:
+        params = dict(model.named_parameters())
+        self.count += 1
+        for name in self.names:
+            value = params[name].detach()
+            if name not in self.mean:
+                self.mean[name] = value.clone()
+            else:
+                self.mean[name] += (value - self.mean[name]) / self.count
+
+    def apply(self, model) -> None:
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in self.mean.items():
+                params[name].copy_(value)
+
+    def state(self) -> dict:
+        return {"mean": self.mean, "count": self.count}
+
+    def load(self, state: dict | None) -> None:
+        if state:
+            self.mean, self.count = state["mean"], state["count"]
+
+
 def write_card(out: Path, summary: dict) -> None:
     """The adapter's card (replaces the generic one peft writes): data, split, settings, metrics."""
     last = summary["history"][-1]["val"] if summary["history"] else {}
+    if summary.get("swa_val") is not None:
+        last = summary["swa_val"]
     s = summary["settings"]
     parts = "all parts" if summary.get("label_parts") is None else f"its first {summary['label_parts']} parts"
     lines = [
@@ -214,7 +263,8 @@ def write_card(out: Path, summary: dict) -> None:
         f"{summary['seed']}; the plain model's part (the prompts' top-layer KV and the question's hidden states below "
         f"the adapter) computed once in {summary['feature_seconds']} s, then {summary['train_seconds']} s of epochs "
         "that run only the question through the top layers (python -m predictor.train).", "",
-        "## Held-out metrics (last epoch)", "",
+        "## Held-out metrics (" + (f"weights averaged over epochs {summary['swa_from']}-{summary['epochs']}"
+                                     if summary.get("swa_val") is not None else "last epoch") + ")", "",
         "| MAE (tokens) | within 50 | within 100 | bin accuracy | under-predicted |", "|---|---|---|---|---|",
         f"| {last.get('mae')} | {last.get('within_50')} | {last.get('within_100')} | {last.get('bin_accuracy')} | "
         f"{last.get('under_rate')} |", "",
@@ -256,6 +306,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora-layers", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--swa-from", type=int, default=None, metavar="EPOCH",
+                        help="write the mean of the weights at the ends of epochs EPOCH..last (stochastic weight "
+                        "averaging) instead of the last epoch's")
     parser.add_argument("--edges", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_EDGES)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

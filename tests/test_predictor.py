@@ -13,7 +13,7 @@ from predictor.model import (LengthRegressor, PredictorSettings, PromptKV, pad_b
                              suffix_features, with_new_adapter)
 from predictor.predict import LengthPredictor, PredictorConfig
 from predictor.prompt import PredictionInput
-from predictor.train import advanced, batch_lengths, length_batches
+from predictor.train import WeightAverage, advanced, batch_lengths, length_batches
 
 SUFFIX = [7, 8, 9, 10, 11]
 
@@ -258,3 +258,26 @@ def test_the_lean_prompt_pass_packs_prompts_and_refuses_what_it_cannot_hold(tiny
         lean.run([[5, 6]] * 3, [2] * 3, [None] * 3, [0] * 3)
     with pytest.raises(ValueError, match="at most 16 tokens"):
         lean.run([[5] * 17], [17], [None], [0])
+
+
+def test_weight_average_is_the_mean_of_the_snapshots_and_survives_a_checkpoint(regressor):
+    model = adapted(regressor)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    snapshots = []
+    average = WeightAverage(model)
+    for step in range(3):
+        with torch.no_grad():
+            for param in trainable.values():
+                param.add_(torch.randn_like(param))
+        snapshots.append({n: p.detach().clone() for n, p in trainable.items()})
+        average.add(model)
+        if step == 1:  # as a resumed run does: the average goes through the checkpoint and back
+            restored = WeightAverage(model)
+            restored.load(average.state())
+            average = restored
+    average.apply(model)
+    for name, param in trainable.items():
+        torch.testing.assert_close(param, sum(s[name] for s in snapshots) / 3)
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    assert average.count == 3 and set(average.mean) == set(trainable)
