@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--swa-from", type=int, default=None, metavar="EPOCH",
                         help="write the mean of the weights at the ends of epochs EPOCH..last (stochastic weight "
-                        "averaging) instead of the last epoch's")
+                        "averaging) instead of the last epoch's (from 2 of 4 on the embedded model's labels: held-out "
+                        "MAE 47.5, within 50 0.629, within 100 0.812, against 47.7 / 0.616 / 0.828 for the last epoch)")
     parser.add_argument("--edges", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_EDGES)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
