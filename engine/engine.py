@@ -235,7 +235,7 @@ class LLMEngine(Engine):
                 forced = sequence.constraint.forced()
                 if forced is None:
                     break
-                self._take(sequence, forced)  # its KV is computed with the next step's (`_run_forced`)
+                self._take(sequence, forced)  # computed in the next step's pass, after the decode token
 
     def _take(self, sequence: _Sequence, token: int) -> None:
         """Append one token to the sequence (or end it on a stop token) and decide whether it is done."""
