@@ -114,7 +114,7 @@ LENGTHS_READ = {"continuous": None, "vanilla": None, "predicted": "predicted", H
 POLICIES = tuple(LENGTHS_READ)
 # how predictions are made, part of their runs' folder name (runs kept before the lean prompt pass
 # are under the first string alone)
-PREDICTION = "prompt KV shared with the decoder:" + "lean prompt pass:"
+PREDICTION = "prompt KV shared with the decoder:lean prompt pass:"
 PREDICTED = tuple(name for name, read in LENGTHS_READ.items() if read == "predicted")
 
 

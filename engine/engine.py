@@ -41,6 +41,10 @@ class _Sequence:
     def tokens(self) -> list[int]:
         return self.request.prompt_ids + self.generated
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids) + len(self.generated)
+
     def token_at(self, position: int) -> int:
         prompt = self.request.prompt_ids
         return prompt[position] if position < len(prompt) else self.generated[position - len(prompt)]
@@ -140,15 +144,15 @@ class LLMEngine(Engine):
             positions = torch.tensor([s.cached for s in batch], device=self.runner.device)
             # tokens a constraint forced (appended by `_accept` without steps of their own) run in
             # this step's pass after their sequence's decode token; it samples after the last of them
-            behind = [(row, s) for row, s in enumerate(batch) if s.cached + 1 < len(s.tokens)]
+            behind = [(row, s) for row, s in enumerate(batch) if s.cached + 1 < s.num_tokens]
             extend = [PrefillItem(s.slot, s.tokens[s.cached + 1 :], s.cached + 1) for _, s in behind]
             logits = self.runner.decode(tokens, positions, extend)
             for s in batch:
                 s.cached += 1
             rows = list(range(len(batch)))
             for j, (row, s) in enumerate(behind):
-                self._stats["forced_tokens"] += len(s.tokens) - s.cached
-                s.cached = len(s.tokens)
+                self._stats["forced_tokens"] += s.num_tokens - s.cached
+                s.cached = s.num_tokens
                 rows[row] = len(batch) + j
             self._accept(batch, logits[rows] if behind else logits)
             self._release_finished(batch)
@@ -201,15 +205,15 @@ class LLMEngine(Engine):
         prefix_rows = iter(range(len(items), len(logits))) if items else iter(())
         rows, row = [], 0
         for sequence in admitted:
-            if sequence.cached < len(sequence.tokens):
-                self._stats["prefill_tokens"] += len(sequence.tokens) - sequence.cached
+            if sequence.cached < sequence.num_tokens:
+                self._stats["prefill_tokens"] += sequence.num_tokens - sequence.cached
                 item = items[row]
                 if item.prefix_end:
                     after = logits[next(prefix_rows)] if item.prefix_row() is not None else logits[row]
                     self._cache_prefix(sequence, item.prefix_end, after)
                 rows.append(logits[row])
                 row += 1
-                sequence.cached = len(sequence.tokens)
+                sequence.cached = sequence.num_tokens
             else:  # the whole prompt was a cached prefix: its stored logits give the first token
                 rows.append(whole_prompt_cached[id(sequence)])
         self._accept(admitted, torch.stack(rows))
@@ -264,7 +268,7 @@ class LLMEngine(Engine):
         if sequence.constraint is not None and sequence.constraint.is_complete:
             return FinishReason.STOP
         produced = len(sequence.generated)
-        if produced >= params.max_tokens or len(sequence.tokens) >= self.max_model_len:
+        if produced >= params.max_tokens or sequence.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         if params.length_cap is not None and produced >= params.length_cap:
             return FinishReason.CUT

@@ -274,9 +274,13 @@ class PlanLineConstraint(TokenConstraint):
             raise ValueError(f"the tokenizer has no one-character token for {missing}, needed to write plan lines")
         self.state: tuple = self.grammar.start
         self.text = ""
+        self._mask: tuple[tuple | None, torch.Tensor | None] = (None, None)  # (state, its mask)
 
     def allowed(self) -> torch.Tensor:
-        return self._vocab.mask(self.grammar, self.state)
+        # asked twice per state under jump-forward (`forced`, then sampling): free-text masks are not cached
+        if self._mask[0] != self.state:
+            self._mask = (self.state, self._vocab.mask(self.grammar, self.state))
+        return self._mask[1]
 
     def advance(self, token_id: int) -> None:
         vocab = self._vocab
