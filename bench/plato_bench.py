@@ -2,7 +2,8 @@
 
 Every mode answers the same questions on the same engine with the same answer-token budget:
 `ar`, `sot`, `plato`, and `plato` without pipelining, without KV reuse and without the engine's
-jump-forward over the plan grammar's forced tokens. Latency is measured
+jump-forward over the plan grammar's forced tokens; `ar` and `plato` also without the engine's
+prompt-lookup drafts. Latency is measured
 one question at a time; throughput with all questions in flight at once. Writes
 bench/results/plato.json and plato.png.
 """
@@ -28,6 +29,9 @@ VARIANTS = {  # name: (mode, AnswerConfig overrides, EngineConfig overrides)
     "plato-no-kv-reuse": ("plato", {"kv_reuse": False}, {}),
     # the plan's forced tokens (`needs:`, `]`, the next line's number) decoded one step each
     "plato-no-jump-forward": ("plato", {}, {"jump_forward": False}),
+    # every token a step of its own: what the engine's drafts (`speculative_tokens`) gain each mode
+    "ar-no-drafts": ("ar", {}, {"speculative_tokens": 0}),
+    "plato-no-drafts": ("plato", {}, {"speculative_tokens": 0}),
 }
 
 
@@ -140,6 +144,10 @@ def run(argv: list[str]) -> dict:
         "throughput_vs_ar": round(plato["answers_per_min"] / ar["answers_per_min"], 2),
         "pipeline_gain": round(summary["plato-no-pipeline"]["latency_mean_s"] / plato["latency_mean_s"], 2),
         "jump_forward_gain": round(summary["plato-no-jump-forward"]["latency_mean_s"] / plato["latency_mean_s"], 2),
+        "draft_gain_ar": round(summary["ar-no-drafts"]["latency_mean_s"] / ar["latency_mean_s"], 2),
+        "draft_gain_plato": round(summary["plato-no-drafts"]["latency_mean_s"] / plato["latency_mean_s"], 2),
+        "speedup_vs_ar_without_drafts": round(summary["ar-no-drafts"]["latency_mean_s"]
+                                              / summary["plato-no-drafts"]["latency_mean_s"], 2),
         "kv_reuse_overhead_cut": plato["prefix_hit_rate"],
         "kv_reuse_ceiling": plato["prefix_shareable_rate"],
         "plan_valid_rate": round(1 - (plato["fallback_rate"] or 0.0), 3),
@@ -154,6 +162,7 @@ def run(argv: list[str]) -> dict:
                 [[n, s["latency_mean_s"], s["latency_p90_s"], s["answers_per_min"], s["answer_tok_s"],
                   s["fallback_rate"], s["prefix_hit_rate"], s["prefix_shareable_rate"]] for n, s in summary.items()]))
     print({k: result[k] for k in ("speedup_vs_ar", "speedup_vs_ar_planned", "speedup_vs_ar_auto", "throughput_vs_ar", "pipeline_gain", "jump_forward_gain",
+                                  "draft_gain_ar", "draft_gain_plato", "speedup_vs_ar_without_drafts",
                                   "kv_reuse_overhead_cut", "kv_reuse_ceiling",
                                   "plan_valid_rate", "router_accuracy")})
     print(f"wrote {path}")

@@ -461,7 +461,8 @@ def run(argv: list[str]) -> dict:
         raise SystemExit("labels: rows made with different max_tokens; the workload needs one")
     params = SamplingParams(max_tokens=max_tokens, stop_on_loop=True)
 
-    config = EngineConfig(max_batch_size=VANILLA_BATCH, max_model_len=1024)  # as the labels were made
+    # as the labels were made; no drafts: the kept runs were made without, and the padded policies count rows x steps
+    config = EngineConfig(max_batch_size=VANILLA_BATCH, max_model_len=1024, speculative_tokens=0)
     device, dtype = select_device_and_dtype(config)
     hf_model, tokenizer = load_hf_model(resolve_model_dir(config.model), dtype, device)
     continuous = LLMEngine(hf_model, tokenizer, config)

@@ -39,6 +39,19 @@ class EngineConfig(BaseModel):
         True, description="Under a decoding constraint, append the tokens the constraint forces (only one token "
         "may come next) without a decode step each: they run together in the next forward pass. The text is the "
         "same; plan lines have about a quarter of their tokens forced.")
+    speculative_tokens: int = Field(
+        4, ge=0, le=16, description="Prompt-lookup decoding: each step may also check up to this many tokens per "
+        "sequence, drafted from what followed the last earlier occurrence of its final few tokens in its own prompt "
+        "and answer, in the same forward pass; a drafted token is kept only where the model would have chosen it "
+        "(the answer is the same), saving a step each. 0: off.")
+    speculative_max_batch: int = Field(
+        4, ge=1, description="Draft only while at most this many sequences decode: checking drafts adds rows to "
+        "the pass, nearly free where a step is bound by reading the weights (a small batch), not for a large one.")
+    speculative_ngram: int = Field(
+        3, ge=1, le=8, description="Longest tail n-gram looked up for a draft (shorter ones are tried after it).")
+    speculative_min_ngram: int = Field(
+        2, ge=1, le=8, description="Shortest tail n-gram a draft may be looked up by: a single recurring token "
+        "predicts the next one too rarely to pay for its rows.")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: all cores torch sees.")
     cache_dir: str | None = Field(
         None, description="Where converted embedded weights are cached; default ~/.cache/plato-serve."

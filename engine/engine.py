@@ -12,6 +12,7 @@ from engine.base import Engine
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint, make_constraint
 from engine.detokenize import IncrementalDetokenizer
+from engine.drafts import lookup_draft
 from engine.loops import LoopDetector
 from engine.llama import LlamaRunner, PrefillItem
 from engine.prefix_cache import PrefixCache, PrefixEntry, PrefixHandle
@@ -70,7 +71,7 @@ class LLMEngine(Engine):
         self._results: dict[str, Result] = {}
         self._order = itertools.count()
         self._stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0, "step_s": 0.0,
-                       "forced_tokens": 0}
+                       "forced_tokens": 0, "draft_tokens": 0, "accepted_draft_tokens": 0}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -140,27 +141,81 @@ class LLMEngine(Engine):
         self._release_finished(admitted)
         batch = list(self._running)
         if batch:
-            tokens = torch.tensor([s.token_at(s.cached) for s in batch], device=self.runner.device)
-            positions = torch.tensor([s.cached for s in batch], device=self.runner.device)
-            # tokens a constraint forced (appended by `_accept` without steps of their own) run in
-            # this step's pass after their sequence's decode token; it samples after the last of them
-            behind = [(row, s) for row, s in enumerate(batch) if s.cached + 1 < s.num_tokens]
-            extend = [PrefillItem(s.slot, s.tokens[s.cached + 1 :], s.cached + 1) for _, s in behind]
-            logits = self.runner.decode(tokens, positions, extend)
-            for s in batch:
-                s.cached += 1
-            rows = list(range(len(batch)))
-            for j, (row, s) in enumerate(behind):
-                self._stats["forced_tokens"] += s.num_tokens - s.cached
-                s.cached = s.num_tokens
-                rows[row] = len(batch) + j
-            self._accept(batch, logits[rows] if behind else logits)
+            self._decode(batch)
             self._release_finished(batch)
         seen = {id(s) for s in admitted}
         touched = admitted + [s for s in batch if id(s) not in seen]
         events = [self._event(s) for s in touched if s.new_tokens or s.finish]
         self._stats["step_s"] += time.perf_counter() - started  # time in steps: where a host slows the engine
         return events
+
+    def _decode(self, batch: list[_Sequence]) -> None:
+        """One forward pass for the running batch. Tokens a constraint forced (appended by `_take`
+        without steps of their own) run in it after their sequence's decode token, and so do drafted
+        tokens (`engine.drafts`), which are kept as far as the model agrees with them."""
+        device = self.runner.device
+        tokens = torch.tensor([s.token_at(s.cached) for s in batch], device=device)
+        positions = torch.tensor([s.cached for s in batch], device=device)
+        drafts = self._drafts(batch)
+        extend, known_rows, draft_rows, offset = [], list(range(len(batch))), {}, len(batch)
+        for row, s in enumerate(batch):
+            forced = s.tokens[s.cached + 1 :] if s.cached + 1 < s.num_tokens else []
+            draft = drafts.get(id(s), [])
+            if not forced and not draft:
+                continue
+            extend.append(PrefillItem(s.slot, forced + draft, s.cached + 1, logit_rows=len(draft) + bool(forced)))
+            rows = list(range(offset, offset + extend[-1].logit_rows))
+            offset += len(rows)
+            if forced:
+                known_rows[row] = rows.pop(0)
+            draft_rows[id(s)] = rows
+            self._stats["forced_tokens"] += len(forced)
+        logits = self.runner.decode(tokens, positions, extend)
+        for s in batch:
+            s.cached = s.num_tokens
+        self._accept(batch, logits[known_rows] if extend else logits)
+        self._verify_drafts(batch, drafts, draft_rows, logits)
+
+    def _drafts(self, batch: list[_Sequence]) -> dict[int, list[int]]:
+        """Prompt-lookup drafts to check in this step, while the batch is small enough to spare the rows."""
+        most = self.config.speculative_tokens
+        if not most or len(batch) > self.config.speculative_max_batch:
+            return {}
+        drafts = {}
+        for s in batch:
+            params = s.request.params
+            allowed = min(params.max_tokens, params.length_cap or params.max_tokens) - len(s.generated)
+            # each kept draft token's row gives one more token; none past the budget or the cache
+            room = min(most, allowed - 1, self.max_model_len - s.num_tokens)
+            draft = lookup_draft(s.tokens, room, self.config.speculative_ngram, self.config.speculative_min_ngram)
+            if draft:
+                drafts[id(s)] = draft
+                self._stats["draft_tokens"] += len(draft)
+        return drafts
+
+    def _verify_drafts(self, batch: list[_Sequence], drafts: dict[int, list[int]], draft_rows: dict[int, list[int]],
+                       logits: torch.Tensor) -> None:
+        """Walk each draft along the tokens now chosen: while they agree, the draft token's KV is
+        the sequence's own and its row's logits choose the token after it (sampled as a plain step
+        would, so greedy and seeded answers are the same with and without drafts)."""
+        drafted = [s for s in batch if id(s) in drafts]
+        base = {id(s): s.cached for s in drafted}  # where each draft starts: the first token chosen this step
+        kept = dict.fromkeys(base, 0)
+        for i in range(max((len(d) for d in drafts.values()), default=0)):
+            group, rows = [], []
+            for s in drafted:
+                draft, at = drafts[id(s)], base[id(s)] + i
+                if kept[id(s)] != i or i >= len(draft) or s.num_tokens <= at or s.token_at(at) != draft[i]:
+                    continue
+                kept[id(s)] = i + 1
+                if s.finish is None and s.num_tokens == at + 1:  # forced tokens may already follow it
+                    group.append(s)
+                    rows.append(draft_rows[id(s)][i])
+            if group:
+                self._accept(group, logits[rows])
+        for s in drafted:
+            s.cached += kept[id(s)]
+            self._stats["accepted_draft_tokens"] += kept[id(s)]
 
     def _release_finished(self, sequences: list[_Sequence]) -> None:
         for sequence in sequences:

@@ -61,12 +61,14 @@ class _Layer:
 class PrefillItem:
     """One sequence to prefill: `token_ids` go into `slot` starting at cache position `start`.
     `prefix_end`: also give the logits after cache position `prefix_end - 1` (the end of a shared
-    prefix that is cached as it is prefilled), when it falls inside this item and before its end."""
+    prefix that is cached as it is prefilled), when it falls inside this item and before its end.
+    `logit_rows` (decode's `extend` only): how many of the item's last tokens to give logits for."""
 
     slot: int
     token_ids: list[int]
     start: int
     prefix_end: int = 0
+    logit_rows: int = 1
 
     def prefix_row(self) -> int | None:
         """Offset in `token_ids` of the token whose logits `prefix_end` asks for, or None."""
@@ -176,7 +178,8 @@ class LlamaRunner:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, extend: list[PrefillItem] = ()) -> torch.Tensor:
         """One token for each of the sequences in slots 0..B-1; returns float32 logits [B, vocab].
         `extend`: more tokens for some of those sequences, right after their decode token, run in
-        the same pass (a constraint's forced tokens); their last token's logits follow the B rows.
+        the same pass (a constraint's forced tokens, drafted tokens to verify); the logits of each
+        item's last `logit_rows` tokens follow the B rows, item after item.
         The matmuls compute every row on its own, so the decode rows get the same bits either way."""
         batch = tokens.shape[0]
         slots = torch.arange(batch, device=self.device)
@@ -213,7 +216,8 @@ class LlamaRunner:
             x = layer.o.add_to(x, attn)
             x = self._mlp(layer, x)
         if extend:
-            x = x[torch.tensor(list(range(batch)) + [hi - 1 for _, hi in bounds], device=self.device)]
+            rows = list(range(batch)) + [r for it, (_, hi) in zip(extend, bounds) for r in range(hi - it.logit_rows, hi)]
+            x = x[torch.tensor(rows, device=self.device)]
         return self._logits(x)
 
     @torch.inference_mode()
