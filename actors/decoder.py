@@ -37,6 +37,7 @@ class DecoderReplica:
         self._computing: set[str] = set()  # prefixes a running request's prefill is caching here
         self.observer = observer
         self.counts = {"prefix_local": 0, "prefix_fetched": 0, "prefix_computed": 0, "prefix_fetch_failed": 0}
+        self._drafts_reported = (0, 0)  # the engine's (draft, kept) token counts the observer has heard of
 
     async def run_batch(self, batch: dict):
         """Yield lists of items, each list all that was ready at once (one engine step's tokens for
@@ -86,9 +87,21 @@ class DecoderReplica:
                     unfinished -= 1
                 if out:
                     yield out
+            await self._report_drafts()
         finally:
             for task in tasks:
                 task.cancel()  # a consumer that stops early aborts what is still running
+
+    async def _report_drafts(self) -> None:
+        """Hand the observer the draft tokens the engine checked since the last report (micro-batches
+        overlap on one engine, so by its running totals, not per batch)."""
+        if self.observer is None:
+            return
+        stats = await self.engine.call(lambda e: e.stats())
+        drafted, kept = stats.get("draft_tokens", 0), stats.get("accepted_draft_tokens", 0)
+        seen_drafted, seen_kept = self._drafts_reported
+        self._drafts_reported = (drafted, kept)
+        self.observer.drafted(kept - seen_kept, (drafted - kept) - (seen_drafted - seen_kept))
 
     async def _find_prefix(self, token_ids: list[int]) -> bool:
         """True when the engine here holds the prefix (or a running request is caching it) or it was

@@ -135,3 +135,41 @@ def test_token_events_add_up_to_the_result_with_drafts(make_engine):
     for rid, tokens in streamed.items():
         assert engine.pop_result(rid).token_ids == tokens
     assert engine.stats()["accepted_draft_tokens"] > 0
+
+
+def test_the_decoder_replica_reports_kept_and_dropped_draft_tokens_once(make_engine):
+    import asyncio
+
+    from actors.decoder import DecoderReplica
+
+    class Recorder:
+        def __init__(self):
+            self.kept = self.dropped = self.tokens = 0
+
+        def generated(self, count):
+            self.tokens += count
+
+        def prefix_lookup(self, outcome):
+            pass
+
+        def drafted(self, kept, dropped):
+            self.kept, self.dropped = self.kept + kept, self.dropped + dropped
+
+    recorder = Recorder()
+    decoder = DecoderReplica({}, name="d", observer=recorder,
+                             engine=make_engine(max_batch_size=2, speculative_tokens=4, speculative_min_ngram=1))
+
+    async def run(rid):
+        batch = {"requests": [req(rid, repetitive(1), max_tokens=30).model_dump(mode="json")]}
+        async for _ in decoder.run_batch(batch):
+            pass
+
+    try:
+        asyncio.run(run("a"))
+        asyncio.run(run("b"))  # a second batch adds only its own drafts
+        stats = decoder.engine.engine.stats()
+    finally:
+        decoder.engine.shutdown()
+    assert recorder.tokens == 60
+    assert recorder.kept == stats["accepted_draft_tokens"] > 0
+    assert recorder.dropped == stats["draft_tokens"] - stats["accepted_draft_tokens"]
