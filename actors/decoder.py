@@ -98,8 +98,10 @@ class DecoderReplica:
         if self.observer is None:
             return
         stats = await self.engine.call(lambda e: e.stats())
-        drafted, kept = stats.get("draft_tokens", 0), stats.get("accepted_draft_tokens", 0)
         seen_drafted, seen_kept = self._drafts_reported
+        # totals only grow; a report whose stats were read before another's must not count backwards
+        drafted = max(stats.get("draft_tokens", 0), seen_drafted)
+        kept = max(stats.get("accepted_draft_tokens", 0), seen_kept)
         self._drafts_reported = (drafted, kept)
         self.observer.drafted(kept - seen_kept, (drafted - kept) - (seen_drafted - seen_kept))
 
