@@ -199,12 +199,11 @@ class LLMEngine(Engine):
         the sequence's own and its row's logits choose the token after it (sampled as a plain step
         would, so greedy and seeded answers are the same with and without drafts)."""
         drafted = [s for s in batch if id(s) in drafts]
-        base = {id(s): s.cached for s in drafted}  # where each draft starts: the first token chosen this step
-        kept = dict.fromkeys(base, 0)
+        kept = {id(s): 0 for s in drafted}
         for i in range(max((len(d) for d in drafts.values()), default=0)):
             group, rows = [], []
-            for s in drafted:
-                draft, at = drafts[id(s)], base[id(s)] + i
+            for s in drafted:  # `cached` stays where the draft starts (this step's first chosen token) until the end
+                draft, at = drafts[id(s)], s.cached + i
                 if kept[id(s)] != i or i >= len(draft) or s.num_tokens <= at or s.token_at(at) != draft[i]:
                     continue
                 kept[id(s)] = i + 1
