@@ -15,6 +15,7 @@ plain KV and the suffix's hidden states entering the first LoRA layer are comput
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,6 +42,16 @@ class PredictorSettings(BaseModel):
     rank: int = Field(16, ge=1, description="LoRA rank.")
     alpha: int = Field(32, ge=1, description="LoRA alpha (scale = alpha / rank).")
     dropout: float = Field(0.05, ge=0, lt=1, description="LoRA dropout while training.")
+    head: Literal["regression", "buckets"] = Field(
+        "regression", description="What the head reads out. regression: one unit, length = max_tokens x "
+        "sigmoid, trained with L1 loss (the median). buckets: a distribution over length buckets of "
+        "`bucket_width` tokens plus one class for answers cut at max_tokens, trained with cross-entropy on "
+        "targets smoothed over neighbouring buckets; the length given is the one with the most probability "
+        "within 50 and within 100 tokens of it (a bimodal case, short or cut, is not split down the middle).")
+    bucket_width: int = Field(8, ge=1, description="Tokens per length bucket (head: buckets).")
+    bucket_smoothing: float = Field(
+        16.0, gt=0, description="Width (tokens, a Gaussian's sigma) over which a training label's probability "
+        "is spread across neighbouring buckets (head: buckets).")
     adapter_on: Literal["suffix"] = Field(
         "suffix", description="Tokens the adapter runs on: only the length question, over the prompt's plain KV. "
         "Adapters saved without this field ran it on the prompt too and are refused by `load`.")
@@ -96,13 +107,84 @@ class PromptKV:
         return [(keys[:, i][:, :, real], values[:, i][:, :, real]) for i, real in enumerate(self.mask.bool())]
 
 
-class LengthRegressor(nn.Module):
-    """Predicted length in tokens = max_tokens * sigmoid(head(final hidden state of the last suffix token))."""
+class RegressionReadout:
+    """One unit: length = max_tokens x sigmoid(unit); L1 loss, so it learns the median length."""
 
-    def __init__(self, decoder: nn.Module, max_tokens: int):
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.outputs = 1
+
+    def lengths(self, out: torch.Tensor) -> torch.Tensor:
+        return self.max_tokens * torch.sigmoid(out.squeeze(-1))
+
+    def loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return (self.lengths(out) - labels).abs().mean() / self.max_tokens
+
+
+class BucketReadout:
+    """A distribution over lengths: classes 0..n-1 are buckets of `width` tokens ([0, width),
+    [width, 2 width), ...) and class n is "cut at max_tokens", which holds a large share of the labels
+    (the serving model often runs to its cap). Trained with cross-entropy on a label's probability
+    spread over neighbouring classes (Gaussian, `smoothing` tokens), so that nearby lengths share
+    what they learn. The length read out is the whole number that the distribution puts most
+    probability within `RADII` tokens of (both radii weighted alike): where a prompt is either answered
+    briefly or runs to the cap, that picks one of the two instead of the median between them."""
+
+    RADII = (50, 100)
+
+    def __init__(self, max_tokens: int, width: int, smoothing: float):
+        self.max_tokens, self.width, self.smoothing = max_tokens, width, smoothing
+        self.buckets = math.ceil(max_tokens / width)
+        self.outputs = self.buckets + 1
+        lows = [k * width for k in range(self.buckets)]
+        highs = [min(low + width, max_tokens) for low in lows]  # exclusive
+        self.values = torch.tensor([(low + high - 1) / 2 for low, high in zip(lows, highs)] + [float(max_tokens)])
+        self.candidates = torch.arange(1, max_tokens + 1, dtype=torch.float32)
+        reach = torch.zeros(len(self.candidates), self.outputs)  # P(within a radius of candidate | class), summed
+        for radius in self.RADII:
+            for k, (low, high) in enumerate(zip(lows, highs)):
+                inside = ((self.candidates + radius + 1).clamp(max=high) - (self.candidates - radius).clamp(min=low))
+                reach[:, k] += inside.clamp(min=0) / (high - low)
+            reach[:, -1] += ((self.candidates - max_tokens).abs() <= radius).float()
+        # among lengths that tie on reach (e.g. every one from max_tokens - 50 up covers "cut"), the one
+        # with the least expected error: a batcher caps a micro-batch at the prediction
+        distance = (self.candidates[:, None] - self.values[None, :]).abs() / max_tokens
+        self.reach, self.score = reach, reach - 1e-4 * distance
+
+    def classes(self, labels: torch.Tensor) -> torch.Tensor:
+        """Each label's class: its bucket, or the last class for a label at the cap."""
+        return torch.where(labels >= self.max_tokens, self.buckets,
+                           (labels // self.width).clamp(max=self.buckets - 1)).long()
+
+    def targets(self, labels: torch.Tensor) -> torch.Tensor:
+        distance = self.values[None, :] - labels.float()[:, None]
+        weights = torch.exp(-0.5 * (distance / self.smoothing) ** 2)
+        weights[torch.arange(len(labels)), self.classes(labels)] += 1e-6  # a label never lands on all zeros
+        return weights / weights.sum(dim=1, keepdim=True)
+
+    def lengths(self, out: torch.Tensor) -> torch.Tensor:
+        probabilities = torch.softmax(out.float(), dim=-1)
+        return self.candidates[(probabilities @ self.score.T).argmax(dim=-1)]
+
+    def loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return -(self.targets(labels) * torch.log_softmax(out.float(), dim=-1)).sum(dim=-1).mean()
+
+
+def readout_for(settings: PredictorSettings) -> RegressionReadout | BucketReadout:
+    if settings.head == "buckets":
+        return BucketReadout(settings.max_tokens, settings.bucket_width, settings.bucket_smoothing)
+    return RegressionReadout(settings.max_tokens)
+
+
+class LengthRegressor(nn.Module):
+    """Predicted length in tokens from head(final hidden state of the last suffix token), read out by
+    `readout` (one unit: max_tokens * sigmoid; or a distribution over length buckets)."""
+
+    def __init__(self, decoder: nn.Module, max_tokens: int, readout: RegressionReadout | BucketReadout | None = None):
         super().__init__()
         self.decoder = decoder  # a HF *Model (embeddings, layers, norm, rotary), not the LM head
-        self.head = nn.Linear(decoder.config.hidden_size, 1)
+        self.readout = readout or RegressionReadout(max_tokens)
+        self.head = nn.Linear(decoder.config.hidden_size, self.readout.outputs)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
         self.max_tokens = max_tokens
@@ -130,6 +212,10 @@ class LengthRegressor(nn.Module):
     def suffix_lengths(self, kv: PromptKV, suffix: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Lengths (float tokens) from the suffix's hidden states entering layer `start` [batch, suffix,
         hidden], over the prompts' KV; `kv` is left as it was (the suffix's KV is dropped again)."""
+        return self.readout.lengths(self.suffix_output(kv, suffix, start))
+
+    def suffix_output(self, kv: PromptKV, suffix: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The head's raw output [batch, readout.outputs], as `suffix_lengths` reads it."""
         layers = [layer for layer in kv.cache.layers[start:] if layer.is_initialized]
         saved = [(layer.keys, layer.values) for layer in layers]
         try:
@@ -138,7 +224,7 @@ class LengthRegressor(nn.Module):
             for layer, (keys, values) in zip(layers, saved):
                 layer.keys, layer.values = keys, values
         last = self.decoder.norm(hidden[:, -1])
-        return self.max_tokens * torch.sigmoid(self.head(last.to(self.head.weight.dtype)).squeeze(-1))
+        return self.head(last.to(self.head.weight.dtype))
 
 
 def regressor_of(model: LengthRegressor | PeftModel) -> LengthRegressor:

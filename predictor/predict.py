@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from engine.llama import LlamaRunner, PrefillItem
 from engine.prefix_cache import PrefixEntry
 from predictor.model import (LengthRegressor, PredictorSettings, PromptKV, pad_batch, predict_lengths, prefill,
-                             with_saved_adapter)
+                             readout_for, with_saved_adapter)
 from predictor.prompt import PredictionInput, chat_prompt_ids
 
 DEFAULT_ADAPTER = Path(__file__).resolve().parent / "adapters" / "smollm2-135m"
@@ -50,7 +50,7 @@ class LengthPredictor:
             raise FileNotFoundError(f"adapter: no trained length adapter in {path} (run python -m predictor.train)")
         self.settings = PredictorSettings.load(path)
         self.tokenizer = tokenizer
-        self.regressor = LengthRegressor(hf_model.model, self.settings.max_tokens)
+        self.regressor = LengthRegressor(hf_model.model, self.settings.max_tokens, readout_for(self.settings))
         self.model = with_saved_adapter(self.regressor, str(path)).eval()
         self.lm_head = hf_model.lm_head
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -26,8 +26,8 @@ from engine.loader import default_cache_dir, load_hf_model, resolve_model_dir
 from predictor.labels import DEFAULT_OUT as DEFAULT_LABELS
 from predictor.labels import read_labels
 from predictor.metrics import length_metrics
-from predictor.model import (LengthRegressor, PredictorSettings, PromptKV, adapter_off, pad_batch, regressor_of,
-                             suffix_features, with_new_adapter)
+from predictor.model import (LengthRegressor, PredictorSettings, PromptKV, adapter_off, pad_batch, readout_for,
+                             regressor_of, suffix_features, with_new_adapter)
 from predictor.predict import DEFAULT_ADAPTER
 from predictor.prompt import PredictionInput, chat_prompt_ids
 
@@ -91,12 +91,17 @@ def advanced(regressor: LengthRegressor, features: list[dict], have: int, start:
     return moved  # type: ignore[return-value]
 
 
-def batch_lengths(model, features: list[dict], group: list[int], start: int) -> torch.Tensor:
-    """Predicted lengths of a group of cached prompts: the question through the top layers."""
+def batch_output(model, features: list[dict], group: list[int], start: int) -> torch.Tensor:
+    """The head's output for a group of cached prompts: the question through the top layers."""
     regressor = regressor_of(model)
     kv = PromptKV.stack(regressor.decoder.config, [(features[i]["keys"], features[i]["values"]) for i in group],
                         start, torch.float32)
-    return regressor.suffix_lengths(kv, torch.stack([features[i]["suffix"] for i in group]), start)
+    return regressor.suffix_output(kv, torch.stack([features[i]["suffix"] for i in group]), start)
+
+
+def batch_lengths(model, features: list[dict], group: list[int], start: int) -> torch.Tensor:
+    """Predicted lengths of a group of cached prompts."""
+    return regressor_of(model).readout.lengths(batch_output(model, features, group, start))
 
 
 def predict_cached(model, features: list[dict], start: int, batch_size: int) -> list[float]:
@@ -114,11 +119,12 @@ def train(args: argparse.Namespace) -> dict:
     train_rows = [r for r in rows if r["split"] == "train"]
     val_rows = [r for r in rows if r["split"] == "val"]
     max_tokens = max(r["max_tokens"] for r in rows)
-    settings = PredictorSettings(max_tokens=max_tokens, lora_layers=args.lora_layers, rank=args.rank)
+    settings = PredictorSettings(max_tokens=max_tokens, lora_layers=args.lora_layers, rank=args.rank, head=args.head,
+                                 bucket_width=args.bucket_width, bucket_smoothing=args.bucket_smoothing)
     print(f"{len(train_rows)} train, {len(val_rows)} val prompts; labels capped at {max_tokens}", flush=True)
 
     hf_model, tokenizer = load_hf_model(resolve_model_dir(args.model), torch.float32, torch.device("cpu"))
-    regressor = LengthRegressor(hf_model.model, max_tokens)
+    regressor = LengthRegressor(hf_model.model, max_tokens, readout_for(settings))
     start = regressor.num_layers - settings.lora_layers
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     question = PredictionInput(tokenizer)
@@ -127,6 +133,7 @@ def train(args: argparse.Namespace) -> dict:
     have = _cached_start(args.work, key, start)
     work = args.work / f"{key}-layer{have}"
     began = time.perf_counter()
+    reused = any(work.glob("features-*.pt"))
     features = cached_features(regressor, prompts, question.suffix, have, work, args.batch, pad_id)
     features = advanced(regressor, features, have, start, args.batch)
     feature_seconds = time.perf_counter() - began
@@ -143,6 +150,9 @@ def train(args: argparse.Namespace) -> dict:
         optimizer, (lambda step: max(0.0, 1 - step / steps)) if args.lr_schedule == "linear" else (lambda step: 1.0))
     checkpoint = work / (f"checkpoint-l{settings.lora_layers}-r{settings.rank}-lr{args.lr}-{args.lr_schedule}"
                          f"-b{args.batch}-e{args.epochs}-s{args.seed}.pt")
+    if settings.head == "buckets":
+        checkpoint = checkpoint.with_name(checkpoint.stem + f"-buckets{settings.bucket_width}"
+                                          f"-{settings.bucket_smoothing}.pt")
     if args.swa_from is not None:
         checkpoint = checkpoint.with_name(checkpoint.stem + f"-swa{args.swa_from}.pt")
     first_epoch, history, train_seconds = 0, [], 0.0
@@ -163,13 +173,13 @@ def train(args: argparse.Namespace) -> dict:
         model.train()
         started, total = time.perf_counter(), 0.0
         for step, group in enumerate(groups, 1):
-            predicted = batch_lengths(model, train_features, group, start)
-            loss = (predicted - targets[group]).abs().mean() / max_tokens
+            out = batch_output(model, train_features, group, start)
+            loss = regressor.readout.loss(out, targets[group])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             scheduler.step()
-            total += loss.item() * max_tokens
+            total += (regressor.readout.lengths(out.detach()) - targets[group]).abs().mean().item()
             if step % 20 == 0 or step == len(groups):
                 print(f"epoch {epoch + 1}/{args.epochs}  batch {step}/{len(groups)}  train MAE {total / step:.1f}"
                       f"  {time.perf_counter() - started:.0f} s", flush=True)
@@ -196,7 +206,7 @@ def train(args: argparse.Namespace) -> dict:
     summary = {"model": args.model, "label_parts": args.parts, "train_prompts": len(train_rows),
                "val_prompts": len(val_rows), "settings": settings.model_dump(), "lr": args.lr,
                "lr_schedule": args.lr_schedule, "batch": args.batch, "epochs": args.epochs, "seed": args.seed,
-               "feature_seconds": round(feature_seconds), "train_seconds": round(train_seconds), "history": history,
+               "feature_seconds": round(feature_seconds), "features_reused": reused, "train_seconds": round(train_seconds), "history": history,
                "swa_from": args.swa_from, "swa_val": averaged}
     (args.out / "training.json").write_text(json.dumps(summary, indent=2))
     write_card(args.out, summary)
@@ -244,11 +254,18 @@ def write_card(out: Path, summary: dict) -> None:
         last = summary["swa_val"]
     s = summary["settings"]
     parts = "all parts" if summary.get("label_parts") is None else f"its first {summary['label_parts']} parts"
+    if s.get("head") == "buckets":
+        head = (f"a linear head on the last token's final hidden state giving a distribution over {s['bucket_width']}-token "
+                "length buckets plus a class for answers cut at max_tokens; predicted length = the whole number with the "
+                "most probability within 50 and within 100 tokens of it")
+        loss = f"cross-entropy on labels spread over neighbouring buckets (sigma {s['bucket_smoothing']} tokens)"
+    else:
+        head = "a one-unit head on the last token's final hidden state: predicted length = max_tokens x sigmoid(head)"
+        loss = "L1 loss on tokens"
     lines = [
         "# Length-prediction adapter", "",
         f"LoRA (rank {s['rank']}, alpha {s['alpha']}, dropout {s['dropout']}) on the top {s['lora_layers']} decoder "
-        f"layers of `{summary['model']}` (all attention and MLP projections), plus a one-unit head on the last "
-        "token's final hidden state: predicted length = max_tokens x sigmoid(head). Input: the decoder's own chat "
+        f"layers of `{summary['model']}` (all attention and MLP projections), plus {head}. Input: the decoder's own chat "
         "prompt followed by a fixed length question (predictor/prompt.py). The adapter is on only for the "
         f"question (adapter_on: {s['adapter_on']}): the prompt runs through the plain model, so its KV cache is the "
         "decoder's own and can be shared with it.", "",
@@ -259,9 +276,11 @@ def write_card(out: Path, summary: dict) -> None:
         "Prompts come from train_pool.jsonl and sharegpt4k.jsonl, never from the evaluation question sets.", "",
         "## Training", "",
         f"{summary['epochs']} epochs, batch {summary['batch']}, AdamW lr {summary['lr']} "
-        f"({summary.get('lr_schedule', 'constant')}), L1 loss on tokens, seed "
+        f"({summary.get('lr_schedule', 'constant')}), {loss}, seed "
         f"{summary['seed']}; the plain model's part (the prompts' top-layer KV and the question's hidden states below "
-        f"the adapter) computed once in {summary['feature_seconds']} s, then {summary['train_seconds']} s of epochs "
+        f"the adapter) computed once in {summary['feature_seconds']} s"
+        f"{' (read back from the cache of an earlier run on the same labels)' if summary.get('features_reused') else ''}"
+        f", then {summary['train_seconds']} s of epochs "
         "that run only the question through the top layers (python -m predictor.train).", "",
         "## Held-out metrics (" + (f"weights averaged over epochs {summary['swa_from']}-{summary['epochs']}"
                                      if summary.get("swa_val") is not None else "last epoch") + ")", "",
@@ -306,6 +325,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora-layers", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--head", choices=["regression", "buckets"], default="buckets",
+                        help=PredictorSettings.model_fields["head"].description)
+    parser.add_argument("--bucket-width", type=int, default=8,
+                        help=PredictorSettings.model_fields["bucket_width"].description)
+    parser.add_argument("--bucket-smoothing", type=float, default=16.0,
+                        help=PredictorSettings.model_fields["bucket_smoothing"].description)
     parser.add_argument("--swa-from", type=int, default=None, metavar="EPOCH",
                         help="write the mean of the weights at the ends of epochs EPOCH..last (stochastic weight "
                         "averaging) instead of the last epoch's (from 2 of 4 on the embedded model's labels: held-out "

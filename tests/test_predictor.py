@@ -124,15 +124,21 @@ def test_training_features_then_top_layers_equal_the_full_two_pass_forward(regre
         assert torch.allclose(batch_lengths(model, moved, list(range(5)), start=1), two_pass(model, prompts), atol=1e-4)
 
 
+def length_rule_features(regressor, tokenizer):
+    """32 prompts, targets by a rule the model can learn (longer prompt, longer answer), the length
+    question, and the training features of the top layer."""
+    prompts = sequences(32, seed=5)
+    targets = torch.tensor([10.0 * len(p) for p in prompts])
+    question = PredictionInput(tokenizer).suffix
+    rows, hidden = suffix_features(regressor, *pad_batch(prompts, pad_id=0), torch.tensor([question] * 32), start=1)
+    return prompts, targets, question, [{"keys": k, "values": v, "suffix": h} for (k, v), h in zip(rows, hidden)]
+
+
 def test_training_steps_fit_a_length_rule_and_the_saved_adapter_predicts_the_same(tiny_model, tiny_tokenizer,
                                                                                    regressor, tmp_path):
     settings = PredictorSettings(max_tokens=200, lora_layers=1, rank=4)
     model = with_new_adapter(regressor, settings)
-    prompts = sequences(32, seed=5)
-    targets = torch.tensor([10.0 * len(p) for p in prompts])  # a rule the model can learn: longer prompt, longer answer
-    question = PredictionInput(tiny_tokenizer).suffix
-    rows, hidden = suffix_features(regressor, *pad_batch(prompts, pad_id=0), torch.tensor([question] * 32), start=1)
-    features = [{"keys": k, "values": v, "suffix": h} for (k, v), h in zip(rows, hidden)]
+    prompts, targets, question, features = length_rule_features(regressor, tiny_tokenizer)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
 
     def mae():
@@ -281,3 +287,99 @@ def test_weight_average_is_the_mean_of_the_snapshots_and_survives_a_checkpoint(r
         torch.testing.assert_close(param, sum(s[name] for s in snapshots) / 3)
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
     assert average.count == 3 and set(average.mean) == set(trainable)
+
+
+def test_bucket_readout_classes_targets_and_reach_count_whole_token_lengths():
+    from predictor.model import BucketReadout
+
+    readout = BucketReadout(max_tokens=100, width=8, smoothing=8.0)
+    assert readout.outputs == 14  # 13 buckets (the last holds 96..99) and "cut at 100"
+    labels = torch.tensor([0.0, 7, 8, 50, 97, 100])
+    assert readout.classes(labels).tolist() == [0, 0, 1, 6, 12, 13]
+    targets = readout.targets(labels)
+    assert torch.allclose(targets.sum(dim=1), torch.ones(6))
+    assert targets.argmax(dim=1).tolist() == [0, 0, 1, 6, 12, 13]
+    assert (targets[3, 5:8] > 0.1).all() and targets[3, 0] < 1e-6  # spread to neighbours, not far
+    # probability within 50 and within 100 of each candidate, counted over the whole lengths of each class
+    probabilities = torch.softmax(torch.randn(14, generator=torch.Generator().manual_seed(0)), dim=0)
+    per_length = {}
+    for k in range(13):
+        members = [y for y in range(100) if y // 8 == k]
+        for y in members:
+            per_length[y] = probabilities[k].item() / len(members)
+    per_length[100] = probabilities[13].item()
+    for candidate in (1, 30, 64, 100):
+        brute = sum(p for y, p in per_length.items() if abs(y - candidate) <= 50)
+        brute += sum(p for y, p in per_length.items() if abs(y - candidate) <= 100)
+        assert (probabilities @ readout.reach[candidate - 1]).item() == pytest.approx(brute, abs=1e-5)
+
+
+def test_bucket_readout_reads_the_length_the_distribution_supports_most():
+    from predictor.model import BucketReadout
+
+    readout = BucketReadout(max_tokens=256, width=8, smoothing=16.0)
+    logits = torch.full((4, readout.outputs), -20.0)
+    logits[0, 2] = 5  # all in 16..23
+    logits[1, -1] = 5  # all cut at the cap: the cap itself, not merely a length within 50 of it
+    logits[2, 2], logits[2, -1] = 5, 5.5  # short or cut, cut a little likelier: not the median between them
+    logits[3, 10], logits[3, 11], logits[3, 12] = 5, 5, 5  # spread over 80..103
+    lengths = readout.lengths(logits).tolist()
+    assert 16 <= lengths[0] <= 23
+    assert lengths[1] == 256
+    assert lengths[2] >= 206
+    assert 80 <= lengths[3] <= 103
+    assert readout.loss(logits[:1], torch.tensor([20.0])) < readout.loss(logits[:1], torch.tensor([200.0]))
+    # for any distribution the length read out is one that the most probability lies within 50 and 100 of
+    random = torch.randn(6, readout.outputs, generator=torch.Generator().manual_seed(1)) * 3
+    lengths = readout.lengths(random)
+    probabilities = torch.softmax(random, dim=-1)
+    per_length = torch.cat([probabilities[:, :-1].repeat_interleave(8, dim=1) / 8, probabilities[:, -1:]], dim=1)
+    ys = torch.arange(257.0)
+    for row in range(6):
+        score = torch.stack([per_length[row][(ys - c).abs() <= 50].sum() + per_length[row][(ys - c).abs() <= 100].sum()
+                             for c in range(1, 257)])
+        assert score[int(lengths[row]) - 1] >= score.max() - 1e-4
+
+
+def test_a_bucket_head_trains_saves_and_serves_the_lengths_it_was_trained_to(tiny_model, tiny_tokenizer, tmp_path):
+    from predictor.model import readout_for
+    from predictor.train import batch_output
+
+    settings = PredictorSettings(max_tokens=200, lora_layers=1, rank=4, head="buckets", bucket_width=20,
+                                 bucket_smoothing=20.0)
+    torch.manual_seed(0)
+    regressor = LengthRegressor(copy.deepcopy(tiny_model).model, 200, readout_for(settings))
+    assert regressor.head.out_features == 11
+    model = with_new_adapter(regressor, settings)
+    prompts, targets, question, features = length_rule_features(regressor, tiny_tokenizer)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+
+    def within_50():
+        with torch.no_grad():
+            return ((batch_lengths(model, features, list(range(32)), 1) - targets).abs() <= 50).float().mean().item()
+
+    before = within_50()
+    model.train()
+    for _ in range(25):
+        for group in length_batches([len(p) for p in prompts], 8, random.Random(0)):
+            loss = regressor.readout.loss(batch_output(model, features, group, 1), targets[group])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    model.eval()
+    assert within_50() > max(before, 0.8)
+    model.save_pretrained(tmp_path)
+    (tmp_path / "settings.json").write_text(settings.model_dump_json())
+
+    predictor = predictor_on(tiny_model, tiny_tokenizer, tmp_path, batch_size=5)
+    assert predictor.regressor.head.out_features == 11
+    with torch.no_grad():
+        expected = batch_lengths(model, features, list(range(32)), 1)
+    assert predictor.predict_ids([p + question for p in prompts]) == [int(v) for v in expected]
+
+
+def test_an_adapter_saved_before_bucket_heads_loads_as_a_regression_head(saved):
+    settings = json.loads((saved / "settings.json").read_text())
+    del settings["head"], settings["bucket_width"], settings["bucket_smoothing"]
+    (saved / "settings.json").write_text(json.dumps(settings))
+    assert PredictorSettings.load(saved).head == "regression"
