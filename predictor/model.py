@@ -146,8 +146,8 @@ class BucketReadout:
                 inside = ((self.candidates + radius + 1).clamp(max=high) - (self.candidates - radius).clamp(min=low))
                 reach[:, k] += inside.clamp(min=0) / (high - low)
             reach[:, -1] += ((self.candidates - max_tokens).abs() <= radius).float()
-        # among lengths that tie on reach (e.g. every one from max_tokens - 50 up covers "cut"), the one
-        # with the least expected error: a batcher caps a micro-batch at the prediction
+        # among lengths that tie on reach (every one from max_tokens - 50 up covers "cut"), the one with
+        # the least expected error: an answer surely cut reads max_tokens, not max_tokens - 50
         distance = (self.candidates[:, None] - self.values[None, :]).abs() / max_tokens
         self.reach, self.score = reach, reach - 1e-4 * distance
 
@@ -157,14 +157,16 @@ class BucketReadout:
                            (labels // self.width).clamp(max=self.buckets - 1)).long()
 
     def targets(self, labels: torch.Tensor) -> torch.Tensor:
-        distance = self.values[None, :] - labels.float()[:, None]
+        distance = self.values.to(labels.device)[None, :] - labels.float()[:, None]
         weights = torch.exp(-0.5 * (distance / self.smoothing) ** 2)
-        weights[torch.arange(len(labels)), self.classes(labels)] += 1e-6  # a label never lands on all zeros
+        rows = torch.arange(len(labels), device=labels.device)
+        weights[rows, self.classes(labels)] += 1e-6  # a label never lands on all zeros
         return weights / weights.sum(dim=1, keepdim=True)
 
     def lengths(self, out: torch.Tensor) -> torch.Tensor:
         probabilities = torch.softmax(out.float(), dim=-1)
-        return self.candidates[(probabilities @ self.score.T).argmax(dim=-1)]
+        best = (probabilities @ self.score.to(out.device).T).argmax(dim=-1)
+        return self.candidates.to(out.device)[best]
 
     def loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return -(self.targets(labels) * torch.log_softmax(out.float(), dim=-1)).sum(dim=-1).mean()
