@@ -319,9 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--lr-schedule", choices=["constant", "linear"], default="constant",
-                        help="linear: decay to zero over the run (4 epochs: held-out within 100 0.832 vs 0.828, "
-                        "within 50 0.624 vs 0.616, MAE 47.9 vs 47.7, no real difference; the committed adapter "
-                        "is constant)")
+                        help="linear: decay to zero over the run (one-unit head, 4 epochs: held-out within 100 0.832 vs "
+                        "0.828, within 50 0.624 vs 0.616, MAE 47.9 vs 47.7, no real difference; the committed "
+                        "adapter is constant)")
     parser.add_argument("--lora-layers", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
@@ -333,8 +333,9 @@ def main(argv: list[str] | None = None) -> None:
                         help=PredictorSettings.model_fields["bucket_smoothing"].description)
     parser.add_argument("--swa-from", type=int, default=None, metavar="EPOCH",
                         help="write the mean of the weights at the ends of epochs EPOCH..last (stochastic weight "
-                        "averaging) instead of the last epoch's (from 2 of 4 on the embedded model's labels: held-out "
-                        "MAE 47.5, within 50 0.629, within 100 0.812, against 47.7 / 0.616 / 0.828 for the last epoch)")
+                        "averaging) instead of the last epoch's (one-unit head, from 2 of 4 on the embedded model's "
+                        "labels: held-out MAE 47.5, within 50 0.629, within 100 0.812, against 47.7 / 0.616 / 0.828 "
+                        "for the last epoch)")
     parser.add_argument("--edges", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_EDGES)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
