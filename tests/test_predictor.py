@@ -378,8 +378,11 @@ def test_a_bucket_head_trains_saves_and_serves_the_lengths_it_was_trained_to(tin
     assert predictor.predict_ids([p + question for p in prompts]) == [int(v) for v in expected]
 
 
-def test_an_adapter_saved_before_bucket_heads_loads_as_a_regression_head(saved):
+def test_an_adapter_saved_before_bucket_heads_loads_as_a_regression_head(tiny_model, tiny_tokenizer, saved):
     settings = json.loads((saved / "settings.json").read_text())
     del settings["head"], settings["bucket_width"], settings["bucket_smoothing"]
     (saved / "settings.json").write_text(json.dumps(settings))
     assert PredictorSettings.load(saved).head == "regression"
+    predictor = predictor_on(tiny_model, tiny_tokenizer, saved)
+    assert predictor.regressor.head.out_features == 1
+    assert all(1 <= n <= 200 for n in predictor.predict_prompt_ids(sequences(3, seed=9)))
