@@ -206,8 +206,8 @@ def train(args: argparse.Namespace) -> dict:
     summary = {"model": args.model, "label_parts": args.parts, "train_prompts": len(train_rows),
                "val_prompts": len(val_rows), "settings": settings.model_dump(), "lr": args.lr,
                "lr_schedule": args.lr_schedule, "batch": args.batch, "epochs": args.epochs, "seed": args.seed,
-               "feature_seconds": round(feature_seconds), "features_reused": reused, "train_seconds": round(train_seconds), "history": history,
-               "swa_from": args.swa_from, "swa_val": averaged}
+               "feature_seconds": round(feature_seconds), "features_reused": reused,
+               "train_seconds": round(train_seconds), "history": history, "swa_from": args.swa_from, "swa_val": averaged}
     (args.out / "training.json").write_text(json.dumps(summary, indent=2))
     write_card(args.out, summary)
     return summary
@@ -327,10 +327,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--head", choices=["regression", "buckets"], default="buckets",
                         help=PredictorSettings.model_fields["head"].description)
-    parser.add_argument("--bucket-width", type=int, default=8,
-                        help=PredictorSettings.model_fields["bucket_width"].description)
-    parser.add_argument("--bucket-smoothing", type=float, default=16.0,
-                        help=PredictorSettings.model_fields["bucket_smoothing"].description)
+    fields = PredictorSettings.model_fields
+    parser.add_argument("--bucket-width", type=int, default=fields["bucket_width"].default,
+                        help=fields["bucket_width"].description)
+    parser.add_argument("--bucket-smoothing", type=float, default=fields["bucket_smoothing"].default,
+                        help=fields["bucket_smoothing"].description)
     parser.add_argument("--swa-from", type=int, default=None, metavar="EPOCH",
                         help="write the mean of the weights at the ends of epochs EPOCH..last (stochastic weight "
                         "averaging) instead of the last epoch's (one-unit head, from 2 of 4 on the embedded model's "
