@@ -14,7 +14,7 @@ Policies (bench/schedule_policies.py says how each is run and counted):
   collection and recomputation);
 - `oracle`: the same with the true lengths as predictions: the ceiling;
 - `continuous`: this engine's continuous batching, 16 slots, arrival order (the modern baseline);
-- `continuous+predicted`: the same, admitting the shortest predicted first.
+- `continuous+predicted`: the same, admitting the shortest first by the expected predicted length.
 
 Predictions come from the trained adapter (`--adapter`), run as the service runs it: the prompt
 through the plain model, then the length question with the adapter on, and the prompt's KV handed to
@@ -109,13 +109,16 @@ def policy_configs(edges: list[int], max_tokens: int, token_budget: int) -> dict
     }
 
 
+# what each policy schedules by: the binned policies cap and bin by the predicted length; continuous
+# batching, which neither caps nor bins, admits shortest first by the expected length, which orders
+# answers better (predictor/model.py BucketReadout.expected)
 LENGTHS_READ = {"continuous": None, "vanilla": None, "predicted": "predicted", HEADLINE: "predicted",
-                "oracle": "labels", "continuous+predicted": "predicted"}  # what each policy schedules by
+                "oracle": "labels", "continuous+predicted": "expected"}
 POLICIES = tuple(LENGTHS_READ)
-# how predictions are made, part of their runs' folder name (runs kept before the lean prompt pass
-# are under the first string alone)
-PREDICTION = "prompt KV shared with the decoder:lean prompt pass:"
-PREDICTED = tuple(name for name, read in LENGTHS_READ.items() if read == "predicted")
+# how predictions are made and read, part of their runs' folder name (runs kept before the lean prompt
+# pass are under the first string alone, before the expected length under the first two)
+PREDICTION = "prompt KV shared with the decoder:lean prompt pass:expected length orders continuous:"
+PREDICTED = tuple(name for name, read in LENGTHS_READ.items() if read in ("predicted", "expected"))
 
 
 class RunStore:
@@ -163,29 +166,29 @@ def _digest(value) -> str:
 
 
 def prediction_turns(predictor: LengthPredictor, ids: list[list[int]], chunk: int = 64
-                     ) -> Generator[None, None, tuple[list[int], list[PrefixEntry]]]:
-    """Every request's predicted length and each distinct prompt's KV from the predictor's prompt
-    pass (what the service's predictor hands the decoder), returned at the end; yields after each
+                     ) -> Generator[None, None, tuple[list[int], list[float], list[PrefixEntry]]]:
+    """Every request's predicted and expected length and each distinct prompt's KV from the predictor's
+    prompt pass (what the service's predictor hands the decoder), returned at the end; yields after each
     chunk. Chunks hold prompts of similar length (as one call would sort them: little padding), and
     one KV is kept per distinct prompt, so a workload with repeats does not hold each again."""
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    lengths, entries = [0] * len(ids), {}
+    lengths, expected, entries = [0] * len(ids), [0.0] * len(ids), {}
     for first in range(0, len(order), chunk):
         group = order[first : first + chunk]
-        got, kv = predictor.predict_with_kv([ids[i] for i in group])
-        for i, length, entry in zip(group, got, kv):
-            lengths[i] = length
+        got, means, kv = predictor.estimate_with_kv([ids[i] for i in group])
+        for i, length, mean, entry in zip(group, got, means, kv):
+            lengths[i], expected[i] = length, mean
             entries.setdefault(entry.token_ids, entry)
         yield
-    return lengths, list(entries.values())
+    return lengths, expected, list(entries.values())
 
 
 def predict_sharing_kv(predictor: LengthPredictor, ids: list[list[int]], chunk: int = 64
-                       ) -> tuple[list[int], list[PrefixEntry], float]:
+                       ) -> tuple[list[int], list[float], list[PrefixEntry], float]:
     """`prediction_turns` run to the end, with the seconds the predictor spent."""
     started = predictor.seconds
-    lengths, entries = drain(prediction_turns(predictor, ids, chunk))
-    return lengths, entries, predictor.seconds - started
+    lengths, expected, entries = drain(prediction_turns(predictor, ids, chunk))
+    return lengths, expected, entries, predictor.seconds - started
 
 
 @contextlib.contextmanager
@@ -212,7 +215,8 @@ def policy_turns(jobs: list[Job], params: SamplingParams, edges: list[int]
     with the policy's config), as they run alone or in turns with another."""
     budget = round(VANILLA_BATCH * (statistics.mean(len(j.prompt_ids) for j in jobs) + params.max_tokens))
     configs = policy_configs(edges, params.max_tokens, budget)
-    lengths_of = {None: None, "predicted": [j.predicted for j in jobs], "labels": [j.label for j in jobs]}
+    lengths_of = {None: None, "predicted": [j.predicted for j in jobs], "expected": [j.expected for j in jobs],
+                  "labels": [j.label for j in jobs]}
 
     def turns_of(name: str, engine: LLMEngine, run: PolicyRun, clock: Callable[[], float]) -> Iterator[None]:
         lengths, progress = lengths_of[LENGTHS_READ[name]], print_progress(name, len(jobs))
@@ -250,7 +254,7 @@ def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: l
             continue
         if only is not None and name not in only:
             continue
-        reads_predictions = LENGTHS_READ[name] == "predicted"
+        reads_predictions = name in PREDICTED
         engine = continuous_engine if name.startswith("continuous") else static_engine
         before = box_speed(continuous_engine, jobs[0].prompt_ids)
         runs[name] = PolicyRun()
@@ -300,7 +304,7 @@ def run_pair_in_turns(pair: tuple[str, str], engine_for: Callable[[str], LLMEngi
 def _after_prediction(predicting: Iterator, engine: LLMEngine, policy: Iterator[None], run: PolicyRun,
                       clock: PolicyClock) -> Iterator[None]:
     """The predictor's turns, then the policy's on an engine holding the predictor's prompt KV."""
-    _, entries = yield from predicting
+    *_, entries = yield from predicting
     run.prediction_s = clock()
     with holding(engine, entries):
         yield from policy
@@ -484,19 +488,19 @@ def run(argv: list[str]) -> dict:
                                                     if only is None or name in only)):
         # the prompt KV is too large to keep between invocations: predicted again (and timed) where needed
         predictor = LengthPredictor(hf_model, tokenizer, PredictorConfig(adapter=str(args.adapter)))
-        predictions, prompt_kv, prediction_s = predict_sharing_kv(predictor, ids)
+        predictions, expected, prompt_kv, prediction_s = predict_sharing_kv(predictor, ids)
         print(f"predicted {n} lengths in {prediction_s:.0f} s ({len(prompt_kv)} distinct prompts' KV)", flush=True)
         if not saved.exists():
-            saved.write_text(json.dumps({"predicted": predictions, "seconds": prediction_s}))
+            saved.write_text(json.dumps({"predicted": predictions, "expected": expected, "seconds": prediction_s}))
     kept = json.loads(saved.read_text())  # every part of the run schedules by the first predictions
     if prompt_kv is None:  # nothing predicted now: the kept measurement
         prediction_s = kept["seconds"]
     elif kept["predicted"] != predictions:
         print(f"note: {sum(a != b for a, b in zip(kept['predicted'], predictions))} predictions differ from the "
               "kept ones; the kept ones are used")
-    predictions = kept["predicted"]
-    jobs = [Job(id=f"r{i:05d}", prompt_ids=p, label=r["label"], predicted=q)
-            for i, (r, p, q) in enumerate(zip(chosen, ids, predictions))]
+    predictions, expected = kept["predicted"], kept["expected"]
+    jobs = [Job(id=f"r{i:05d}", prompt_ids=p, label=r["label"], predicted=q, expected=e)
+            for i, (r, p, q, e) in enumerate(zip(chosen, ids, predictions, expected))]
     if pair is not None:
         predicting = None
         if set(pair) & set(PREDICTED):  # predicted again in the pair's turns, timed on its policy's clock
@@ -540,7 +544,7 @@ def run(argv: list[str]) -> dict:
         "predictor": {"adapter": str(args.adapter), "seconds": prediction_s,
                       **length_metrics(predictions, [j.label for j in jobs], EDGES)},
         "policies": policies,
-        "requests": [{"id": r["id"], "label": j.label, "predicted": j.predicted,
+        "requests": [{"id": r["id"], "label": j.label, "predicted": j.predicted, "expected": j.expected,
                       "actual": len(runs["continuous"].answers[j.id])} for r, j in zip(chosen, jobs)],
         "quick": args.quick,
         "machine": machine(),

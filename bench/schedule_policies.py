@@ -43,7 +43,8 @@ class Job:
     id: str
     prompt_ids: list[int]
     label: int  # its true answer length in tokens
-    predicted: int | None = None
+    predicted: int | None = None  # what to cap and bin it by
+    expected: float | None = None  # the predictor's expected length: what to order it by
 
 
 @dataclass
@@ -181,17 +182,19 @@ def binned_turns(engine: LLMEngine, jobs: list[Job], params: SamplingParams, con
     run.recompute_tokens = batcher.stats()["recompute_tokens"]
 
 
-def continuous_turns(engine: LLMEngine, jobs: list[Job], params: SamplingParams, lengths: list[int] | None,
+def continuous_turns(engine: LLMEngine, jobs: list[Job], params: SamplingParams, lengths: list[float] | None,
                      run: PolicyRun, clock: Callable[[], float], progress: Callable[[int, float], None] | None = None,
                      steps_per_turn: int = 16) -> Iterator[None]:
-    """Every job added to the engine at t=0 (with `lengths`, the shortest predicted is admitted
-    first) and served by its continuous batching into `run`; yields every `steps_per_turn` steps."""
+    """Every job added to the engine at t=0 (with `lengths`, the shortest is admitted first, equal
+    ones in arrival order) and served by its continuous batching into `run`; yields every
+    `steps_per_turn` steps."""
     prefilled = engine.stats()["prefill_tokens"]
     started = clock()
     members = {}
+    shortest_first = sorted(range(len(jobs)), key=lambda i: lengths[i]) if lengths is not None else []
+    rank = {i: r for r, i in enumerate(shortest_first)}
     for i, job in enumerate(jobs):
-        request = GenerationRequest(id=job.id, prompt_ids=job.prompt_ids, params=params,
-                                    priority=0 if lengths is None else -lengths[i])
+        request = GenerationRequest(id=job.id, prompt_ids=job.prompt_ids, params=params, priority=-rank.get(i, 0))
         members[job.id] = _Member(request, engine.stop_token_ids)
         engine.add(request)
     steps = 0

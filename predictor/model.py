@@ -117,6 +117,10 @@ class RegressionReadout:
     def lengths(self, out: torch.Tensor) -> torch.Tensor:
         return self.max_tokens * torch.sigmoid(out.squeeze(-1))
 
+    def expected(self, out: torch.Tensor) -> torch.Tensor:
+        """The one length it has (a median, not a mean)."""
+        return self.lengths(out)
+
     def loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return (self.lengths(out) - labels).abs().mean() / self.max_tokens
 
@@ -168,6 +172,12 @@ class BucketReadout:
         best = (probabilities @ self.score.to(out.device).T).argmax(dim=-1)
         return self.candidates.to(out.device)[best]
 
+    def expected(self, out: torch.Tensor) -> torch.Tensor:
+        """The distribution's mean length (each bucket at its middle). Worse than `lengths` at landing
+        within 50 or 100 tokens, but better at ordering answers by length: where a prompt may be answered
+        briefly or run to the cap, it lies between the two instead of choosing one."""
+        return torch.softmax(out.float(), dim=-1) @ self.values.to(out.device)
+
     def loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return -(self.targets(labels) * torch.log_softmax(out.float(), dim=-1)).sum(dim=-1).mean()
 
@@ -211,13 +221,10 @@ class LengthRegressor(nn.Module):
                            cache=kv.cache)
         return hidden, PromptKV(kv.cache, full, kv.lengths + mask.sum(dim=1))
 
-    def suffix_lengths(self, kv: PromptKV, suffix: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Lengths (float tokens) from the suffix's hidden states entering layer `start` [batch, suffix,
-        hidden], over the prompts' KV; `kv` is left as it was (the suffix's KV is dropped again)."""
-        return self.readout.lengths(self.suffix_output(kv, suffix, start))
-
     def suffix_output(self, kv: PromptKV, suffix: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """The head's raw output [batch, readout.outputs], as `suffix_lengths` reads it."""
+        """The head's raw output [batch, readout.outputs] from the suffix's hidden states entering layer
+        `start` [batch, suffix, hidden], over the prompts' KV (`readout` turns it into lengths); `kv` is
+        left as it was (the suffix's KV is dropped again)."""
         layers = [layer for layer in kv.cache.layers[start:] if layer.is_initialized]
         saved = [(layer.keys, layer.values) for layer in layers]
         try:
@@ -261,8 +268,15 @@ def prefill(model: LengthRegressor | PeftModel, ids: torch.Tensor, mask: torch.T
 
 def predict_lengths(model: LengthRegressor | PeftModel, kv: PromptKV, suffix_ids: torch.Tensor) -> torch.Tensor:
     """Lengths for prompts whose plain KV is `kv`, from the suffix ids [batch, suffix] (adapter on)."""
+    return predict_estimates(model, kv, suffix_ids)[0]
+
+
+def predict_estimates(model: LengthRegressor | PeftModel, kv: PromptKV, suffix_ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`predict_lengths` and, from the same pass, the expected lengths (`readout.expected`)."""
     regressor = regressor_of(model)
-    return regressor.suffix_lengths(kv, regressor.decoder.embed_tokens(suffix_ids))
+    out = regressor.suffix_output(kv, regressor.decoder.embed_tokens(suffix_ids))
+    return regressor.readout.lengths(out), regressor.readout.expected(out)
 
 
 @torch.no_grad()

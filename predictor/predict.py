@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from engine.llama import LlamaRunner, PrefillItem
 from engine.prefix_cache import PrefixEntry
-from predictor.model import (LengthRegressor, PredictorSettings, PromptKV, pad_batch, predict_lengths, prefill,
+from predictor.model import (LengthRegressor, PredictorSettings, PromptKV, pad_batch, predict_estimates, prefill,
                              readout_for, with_saved_adapter)
 from predictor.prompt import PredictionInput, chat_prompt_ids
 
@@ -79,6 +79,14 @@ class LengthPredictor:
         kv_heads, tokens, head_dim] in the model's dtype, keys after the rotary embedding; and
         last_logits [vocab] (float32) after its last token. A given prefix at least that long is
         returned as it is."""
+        lengths, _, entries = self.estimate_with_kv(prompts, prefixes)
+        return lengths, entries
+
+    def estimate_with_kv(self, prompts: list[list[int]], prefixes: list[PrefixEntry | None] | None = None
+                         ) -> tuple[list[int], list[float], list[PrefixEntry]]:
+        """`predict_with_kv` with, from the same pass, each answer's expected length (the mean of a
+        bucket head's distribution; a one-unit head's length as it is): the lengths are what to cap and
+        bin by, the expected lengths what to order requests by (shortest first)."""
         return self._run(prompts, prefixes, share=True)  # type: ignore[return-value]
 
     def predict_ids(self, sequences: list[list[int]]) -> list[int]:
@@ -98,15 +106,16 @@ class LengthPredictor:
             if prefix is not None and list(prefix.token_ids) != list(prompt[: len(prefix.token_ids)]):
                 raise ValueError(f"prefixes: entry {i} is not a prefix of its prompt")
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        lengths, entries = [0] * len(prompts), [None] * len(prompts)
+        lengths, expected, entries = [0] * len(prompts), [0.0] * len(prompts), [None] * len(prompts)
         for first in range(0, len(order), self.config.batch_size):
             group = order[first : first + self.config.batch_size]
-            got, shared = self._batch([prompts[i] for i in group], [prefixes[i] for i in group], share)
+            (got, means), shared = self._batch([prompts[i] for i in group], [prefixes[i] for i in group], share)
             for row, i in enumerate(group):
                 lengths[i] = max(1, min(self.max_tokens, math.ceil(got[row])))
+                expected[i] = means[row]
                 entries[i] = shared[row] if share else None
         self.seconds += time.perf_counter() - started
-        return lengths, entries if share else None
+        return lengths, expected, entries if share else None
 
     def _batch(self, prompts: list[list[int]], prefixes: list[PrefixEntry | None], share: bool):
         """One batch: given KV stacked, the rest of each prompt prefilled plain, then the question."""
@@ -117,7 +126,7 @@ class LengthPredictor:
         else:
             kv, after_keep = self._hf_prompt_pass(cut, prefixes, given)
         suffix = torch.tensor([self.input.suffix] * len(prompts))
-        got = predict_lengths(self.model, kv, suffix).tolist()
+        got = tuple(t.tolist() for t in predict_estimates(self.model, kv, suffix))
         if not share:
             return got, None
         entries = []

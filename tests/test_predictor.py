@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 
 import pytest
@@ -341,6 +342,22 @@ def test_bucket_readout_reads_the_length_the_distribution_supports_most():
         assert score[int(lengths[row]) - 1] >= score.max() - 1e-4
 
 
+def test_the_expected_length_is_the_mean_of_the_distribution_and_lies_between_short_and_cut():
+    from predictor.model import BucketReadout, RegressionReadout
+
+    readout = BucketReadout(max_tokens=256, width=8, smoothing=16.0)
+    logits = torch.full((3, readout.outputs), -30.0)
+    logits[0, 2] = 5  # all in 16..23: its middle
+    logits[1, -1] = 5  # all cut: the cap
+    logits[2, 2], logits[2, -1] = 5, 5.5  # short or cut: the window read-out picks cut, the mean lies between
+    short = math.exp(5) / (math.exp(5) + math.exp(5.5))
+    assert readout.expected(logits).tolist() == pytest.approx([19.5, 256, short * 19.5 + (1 - short) * 256])
+    assert readout.expected(logits)[2] < readout.lengths(logits)[2]
+    one_unit = RegressionReadout(max_tokens=256)
+    out = torch.tensor([[0.3], [-2.0]])
+    assert torch.equal(one_unit.expected(out), one_unit.lengths(out))  # its one length serves for both
+
+
 def test_a_bucket_head_trains_saves_and_serves_the_lengths_it_was_trained_to(tiny_model, tiny_tokenizer, tmp_path):
     from predictor.model import readout_for
     from predictor.train import batch_output
@@ -376,6 +393,12 @@ def test_a_bucket_head_trains_saves_and_serves_the_lengths_it_was_trained_to(tin
     with torch.no_grad():
         expected = batch_lengths(model, features, list(range(32)), 1)
     assert predictor.predict_ids([p + question for p in prompts]) == [int(v) for v in expected]
+    lengths, means, entries = predictor.estimate_with_kv(prompts)
+    with torch.no_grad():
+        out = batch_output(model, features, list(range(32)), 1)
+    assert lengths == [int(v) for v in expected] and len(entries) == len(prompts)
+    assert means == pytest.approx(regressor.readout.expected(out).tolist(), abs=1e-2)
+    assert means != pytest.approx([float(v) for v in lengths], abs=1e-2)  # not the served lengths again
 
 
 def test_an_adapter_saved_before_bucket_heads_loads_as_a_regression_head(tiny_model, tiny_tokenizer, saved):
@@ -385,4 +408,6 @@ def test_an_adapter_saved_before_bucket_heads_loads_as_a_regression_head(tiny_mo
     assert PredictorSettings.load(saved).head == "regression"
     predictor = predictor_on(tiny_model, tiny_tokenizer, saved)
     assert predictor.regressor.head.out_features == 1
-    assert all(1 <= n <= 200 for n in predictor.predict_prompt_ids(sequences(3, seed=9)))
+    lengths, means, _ = predictor.estimate_with_kv(sequences(3, seed=9))
+    assert all(1 <= n <= 200 for n in lengths)
+    assert lengths == [max(1, min(200, math.ceil(m))) for m in means]

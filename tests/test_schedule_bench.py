@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from bench.schedule_bench import (HEADLINE, PREDICTED, compare, draw_workload, issue_keys, policy_configs,
-                                  policy_table, predict_sharing_kv, print_progress, run, run_pair_in_turns,
-                                  run_policies)
-from bench.schedule_policies import (Job, PolicyClock, box_speed, run_continuous, run_in_turns, run_static,
-                                     summarize)
+                                  policy_table, policy_turns, predict_sharing_kv, print_progress, run,
+                                  run_pair_in_turns, run_policies)
+from bench.schedule_policies import (Job, PolicyClock, PolicyRun, box_speed, drain, run_continuous, run_in_turns,
+                                     run_static, running_clock, summarize)
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.types import FinishReason, GenerationRequest, SamplingParams
@@ -45,7 +45,8 @@ def workload(tiny_model, tiny_tokenizer):
     reference = engine(tiny_model, tiny_tokenizer, max_batch_size=16).generate(
         [GenerationRequest(id=f"j{i}", prompt_ids=p, params=PARAMS) for i, p in enumerate(prompts)])
     jobs = [Job(id=r.request_id, prompt_ids=p, label=r.completion_tokens,
-                predicted=max(1, r.completion_tokens // 3) if i % 3 == 0 else r.completion_tokens + 3)
+                predicted=max(1, r.completion_tokens // 3) if i % 3 == 0 else r.completion_tokens + 3,
+                expected=r.completion_tokens + 0.5)
             for i, (p, r) in enumerate(zip(prompts, reference))]
     static = engine(tiny_model, tiny_tokenizer, max_batch_size=64, max_prefill_tokens=8192)
     continuous = engine(tiny_model, tiny_tokenizer, max_batch_size=16)
@@ -131,6 +132,18 @@ def test_continuous_predicted_admits_the_shortest_predicted_first(tiny_model, ti
     distinct = list({j.label: j for j in jobs}.values())[:6]
     two_slots = engine(tiny_model, tiny_tokenizer, max_batch_size=2)
     policy = run_continuous(two_slots, distinct, PARAMS, [j.label for j in distinct])
+    first_two = sorted(policy.latency_s, key=policy.latency_s.get)[:2]
+    assert set(first_two) == {j.id for j in sorted(distinct, key=lambda j: j.label)[:2]}
+
+
+def test_continuous_predicted_orders_by_the_expected_length_not_the_binned_one(tiny_model, tiny_tokenizer, workload):
+    jobs, _, _ = workload
+    distinct = list({j.label: j for j in jobs}.values())[:6]
+    # the binned length says the reverse of the truth, the expected length says the truth
+    reordered = [dataclasses.replace(j, predicted=MAX_TOKENS + 1 - j.label, expected=j.label + 0.25) for j in distinct]
+    two_slots = engine(tiny_model, tiny_tokenizer, max_batch_size=2)
+    policy = PolicyRun()
+    drain(policy_turns(reordered, PARAMS, EDGES)("continuous+predicted", two_slots, policy, running_clock()))
     first_two = sorted(policy.latency_s, key=policy.latency_s.get)[:2]
     assert set(first_two) == {j.id for j in sorted(distinct, key=lambda j: j.label)[:2]}
 
@@ -255,15 +268,17 @@ def test_predicting_with_kv_keeps_one_entry_per_distinct_prompt_and_times_every_
         seconds = 1.5  # from earlier calls: not this run's
         calls = []
 
-        def predict_with_kv(self, prompts):
+        def estimate_with_kv(self, prompts):
             self.seconds += 0.25
             self.calls.append(prompts)
-            return [10 * len(p) + p[0] for p in prompts], [SimpleNamespace(token_ids=tuple(p)) for p in prompts]
+            return ([10 * len(p) + p[0] for p in prompts], [len(p) + 0.5 for p in prompts],
+                    [SimpleNamespace(token_ids=tuple(p)) for p in prompts])
 
     ids = [[1, 2], [3], [1, 2], [4, 5, 6], [3]]
     predictor = Predictor()
-    lengths, entries, seconds = predict_sharing_kv(predictor, ids, chunk=2)
+    lengths, expected, entries, seconds = predict_sharing_kv(predictor, ids, chunk=2)
     assert lengths == [21, 13, 21, 34, 13] and seconds == 0.75  # three chunks, each answer in its request's place
+    assert expected == [2.5, 1.5, 2.5, 3.5, 1.5]
     assert predictor.calls == [[[3], [3]], [[1, 2], [1, 2]], [[4, 5, 6]]]  # similar lengths together
     assert sorted(e.token_ids for e in entries) == [(1, 2), (3,), (4, 5, 6)]
 
@@ -348,7 +363,7 @@ def _predicting(entries, turns: int = 3, seconds: float = 0.02):
     for _ in range(turns):
         time.sleep(seconds)
         yield
-    return None, entries
+    return None, None, entries
 
 
 @pytest.mark.parametrize("pair", [("continuous", "continuous+predicted"), ("vanilla", HEADLINE)])
