@@ -8,6 +8,8 @@
   gets half of max_tokens).
 - `pooled_ridge`: ridge regression on the base model's final hidden state, mean-pooled over the
   same prompt + instruction, fitted on `train` rows.
+- `lora_expected`: the adapter's expected length (the mean of a bucket head's distribution), which
+  the benchmark's shortest-first policy orders by; `rank_correlation` tells how well each orders.
 Also the cost, as predictor seconds per request over the decode seconds of that request's answer
 (decode throughput measured on the same machine in the same run), two ways: `predict_over_decode`
 with the prompt's KV handed in (only the length question runs: the serving cost once the decoder's
@@ -123,7 +125,8 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     print("lora predictor again, with each prompt's KV handed in", flush=True)
     prompt_ids = [chat_prompt_ids(tokenizer, r["prompt"]) for r in val]
-    _, entries = predictor.predict_with_kv(prompt_ids)
+    _, expected, entries = predictor.estimate_with_kv(prompt_ids)
+    report["lora_expected"] = length_metrics(expected, actual, args.edges)
     predictor.seconds = 0.0
     again = predictor.predict_prompt_ids(prompt_ids, prefixes=entries)
     suffix_only = predictor.seconds / len(val)
@@ -156,12 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     report = evaluate(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    width = max(len(k) for k in ("zero_shot", "pooled_ridge", "lora"))
-    print(f"{'':{width}}  {'MAE':>6} {'<=50':>6} {'<=100':>6} {'bin acc':>8} {'under':>6}")
-    for name in ("zero_shot", "pooled_ridge", "lora"):
+    names = ("zero_shot", "pooled_ridge", "lora", "lora_expected")
+    width = max(map(len, names))
+    print(f"{'':{width}}  {'MAE':>6} {'<=50':>6} {'<=100':>6} {'bin acc':>8} {'under':>6} {'rank r':>6}")
+    for name in names:
         m = report[name]
         print(f"{name:{width}}  {m['mae']:6.1f} {m['within_50']:6.3f} {m['within_100']:6.3f} "
-              f"{m['bin_accuracy']:8.3f} {m['under_rate']:6.3f}")
+              f"{m['bin_accuracy']:8.3f} {m['under_rate']:6.3f} {m['rank_correlation']:6.3f}")
     cost = report["cost"]
     print(f"cost: prediction = {cost['predict_over_decode']:.2%} of the decode time it schedules with the prompt's "
           f"KV shared, {cost['predict_with_prompt_over_decode']:.2%} with the prompt prefilled for it")

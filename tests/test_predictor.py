@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from predictor.metrics import length_metrics
+from predictor.metrics import length_metrics, rank_correlation
 from predictor.model import (LengthRegressor, PredictorSettings, PromptKV, pad_batch, predict_lengths, prefill,
                              suffix_features, with_new_adapter)
 from predictor.predict import LengthPredictor, PredictorConfig
@@ -235,7 +235,10 @@ def test_length_batches_group_similar_lengths_and_cover_every_index():
 def test_length_metrics():
     m = length_metrics([100, 40, 300, 10], [90, 100, 120, 10], edges=[32, 64, 128, 256])
     assert m == {"n": 4, "mae": (10 + 60 + 180 + 0) / 4, "within_50": 0.5, "within_100": 0.75,
-                 "bin_accuracy": 0.5, "under_rate": 0.25}
+                 "bin_accuracy": 0.5, "under_rate": 0.25, "rank_correlation": 0.8}  # 1 - 6 x (1 + 1) / (4 x 15)
+    assert rank_correlation([1, 2, 2, 3], [10, 20, 20, 30]) == pytest.approx(1.0)  # ties share a rank
+    assert rank_correlation([5, 5, 5], [1, 2, 3]) == 0.0
+    assert rank_correlation([3, 1, 2], [10, 30, 20]) == pytest.approx(-1.0)
     with pytest.raises(ValueError):
         length_metrics([], [], [1])
 
