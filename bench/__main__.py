@@ -11,6 +11,7 @@ SCENARIOS = {
     "plato": "bench.plato_bench",
     "judge": "bench.judge",
     "schedule": "bench.schedule_bench",
+    "schedule-sim": "bench.schedule_sim",
     "serve": "bench.serve_bench",
 }
 

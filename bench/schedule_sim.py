@@ -1,0 +1,145 @@
+"""What the continuous pair's latency ratio would be under other orders and prediction costs: a step
+model of continuous batching, calibrated on a pair kept by `python -m bench schedule --in-turns
+continuous,continuous+predicted` and replayed over the same requests' answer lengths.
+
+    python -m bench schedule-sim [--pair FOLDER]   # writes bench/results/schedule_sim.json
+
+The model: `slots` sequences decode together and a decode step costs `step_s` whatever the batch
+holds; admitting a request whose prompt KV is not there yet costs its prompt tokens x `prefill_s`
+first; a policy that predicts starts `upfront_s` late (every prompt is predicted before any is
+ordered). `step_s` is read from the predicted run (its decode phase prefills nothing: wall over
+steps), `prefill_s` from what `continuous` took beyond its own steps. The replay of the measured
+pair is printed beside the measurement, so the model's error is in view; then what a pair cannot
+tell: the ratio with the true lengths as the key (the ceiling of any predictor), and with the
+prediction free (prefill costing little beside decoding, as on a GPU). A model, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.common import RESULTS, table, write_result
+from bench.schedule_policies import PolicyRun
+from predictor.labels import DEFAULT_OUT as DEFAULT_LABELS
+from predictor.labels import read_labels
+from predictor.metrics import rank_correlation
+
+PAIR = "in_turns/continuous__continuous_predicted"
+SLOTS = 16  # the benchmark's continuous engine (VANILLA_BATCH)
+
+
+def continuous_latencies(answer_lengths: Sequence[int], prompt_lengths: Sequence[int], key: Sequence[float] | None,
+                         slots: int = SLOTS, step_s: float = 1.0, prefill_s: float = 0.0, upfront_s: float = 0.0
+                         ) -> list[float]:
+    """Each request's finish time, all arriving at t=0: admitted smallest `key` first (ties and
+    `key=None` in arrival order) into `slots`, one token a step per admitted request."""
+    waiting = [(0.0 if key is None else key[i], i) for i in range(len(answer_lengths))]
+    heapq.heapify(waiting)
+    now, running, finished = upfront_s, {}, [0.0] * len(answer_lengths)
+    while waiting or running:
+        while len(running) < slots and waiting:
+            _, i = heapq.heappop(waiting)
+            now += prompt_lengths[i] * prefill_s
+            running[i] = answer_lengths[i]
+        now += step_s
+        for i in list(running):
+            running[i] -= 1
+            if running[i] <= 0:
+                finished[i] = now
+                del running[i]
+    return finished
+
+
+def steps_taken(answer_lengths: Sequence[int], key: Sequence[float] | None, slots: int = SLOTS) -> int:
+    """Decode steps the model takes to answer them all."""
+    return round(max(continuous_latencies(answer_lengths, [0] * len(answer_lengths), key, slots)))
+
+
+def calibrate(continuous: PolicyRun, predicted: PolicyRun, answer_lengths: Sequence[int],
+              prompt_lengths: Sequence[int], predicted_key: Sequence[float], slots: int = SLOTS
+              ) -> tuple[float, float]:
+    """(step_s, prefill_s) that make the model's walls those of the two runs: the predicted run's
+    decode phase holds only steps (its prompts' KV came from the predictor), and `continuous` spent
+    the rest of its wall prefilling its prompts."""
+    step_s = predicted.wall_s / steps_taken(answer_lengths, predicted_key, slots)
+    prefill_s = (continuous.wall_s - steps_taken(answer_lengths, None, slots) * step_s) / sum(prompt_lengths)
+    return step_s, max(prefill_s, 0.0)
+
+
+def what_if(answer_lengths: Sequence[int], prompt_lengths: Sequence[int], keys: dict[str, Sequence[float]],
+            step_s: float, prefill_s: float, upfront_s: float, slots: int = SLOTS) -> dict[str, dict[str, float]]:
+    """Mean latency of shortest-first by each key over arrival order's, with the prediction's
+    `upfront_s` as measured and free."""
+    arrival = statistics.mean(continuous_latencies(answer_lengths, prompt_lengths, None, slots, step_s, prefill_s))
+    out = {}
+    for name, key in keys.items():
+        ratios = {}
+        for label, upfront in (("prediction_as_measured", upfront_s), ("prediction_free", 0.0)):
+            latency = continuous_latencies(answer_lengths, prompt_lengths, key, slots, step_s, 0.0, upfront)
+            ratios[label] = statistics.mean(latency) / arrival
+        out[name] = {"rank_correlation": rank_correlation(key, answer_lengths), **ratios}
+    return out
+
+
+def newest_pair(store: Path) -> Path:
+    pairs = sorted(store.glob(f"*/predictor-*/{PAIR}"), key=lambda p: p.stat().st_mtime)
+    if not pairs:
+        raise SystemExit(f"--pair: no kept continuous pair under {store}; run python -m bench schedule "
+                         "--in-turns continuous,continuous+predicted first")
+    return pairs[-1]
+
+
+def run(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench schedule-sim", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", type=Path, default=None,
+                        help=f"a kept pair's folder (…/predictor-*/{PAIR}; default: the newest in the store)")
+    parser.add_argument("--store", type=Path, default=RESULTS / "schedule_runs")
+    parser.add_argument("--labels", type=Path, default=DEFAULT_LABELS, help="folder of the label parts")
+    parser.add_argument("--slots", type=int, default=SLOTS, help="sequences the continuous engine decodes together")
+    args = parser.parse_args(argv)
+    folder = args.pair or newest_pair(args.store)
+    runs = {}
+    for name in ("continuous", "continuous_predicted"):
+        path = folder / f"{name}.json"
+        if not path.exists():
+            raise SystemExit(f"--pair: {path} is missing")
+        runs[name] = PolicyRun(**json.loads(path.read_text()))
+    predictor_folder, workload_folder = folder.parents[1], folder.parents[2]
+    predictions = json.loads((predictor_folder / "predictions.json").read_text())
+    signature = json.loads((workload_folder / "signature.json").read_text())
+    prompt_tokens = {r["id"]: r["prompt_tokens"] for r in read_labels(args.labels)}
+    ids = [f"r{i:05d}" for i in range(signature["n"])]
+    answers = [len(runs["continuous"].answers[i]) for i in ids]
+    prompts = [prompt_tokens[row] for row in signature["rows"]]
+    keys = {"served length": predictions["predicted"], "true length": answers}
+    if "expected" in predictions:
+        keys["expected length"] = predictions["expected"]
+    measured_key = keys.get("expected length", keys["served length"])  # what the run's folder sorted by
+    cont, pred = runs["continuous"], runs["continuous_predicted"]
+    step_s, prefill_s = calibrate(cont, pred, answers, prompts, measured_key, args.slots)
+    measured = (statistics.mean(pred.latency_s.values()) + pred.prediction_s) / statistics.mean(cont.latency_s.values())
+    arrival = continuous_latencies(answers, prompts, None, args.slots, step_s, prefill_s)
+    replay = continuous_latencies(answers, prompts, measured_key, args.slots, step_s, 0.0, pred.prediction_s)
+    result = {
+        "pair": str(folder), "requests": len(ids), "step_s": step_s, "prefill_s_per_token": prefill_s,
+        "prediction_s": pred.prediction_s, "measured_latency_vs_continuous": measured,
+        "modelled_latency_vs_continuous": statistics.mean(replay) / statistics.mean(arrival),
+        "modelled_continuous_mean_s": statistics.mean(arrival),
+        "measured_continuous_mean_s": statistics.mean(cont.latency_s.values()),
+        "what_if": what_if(answers, prompts, keys, step_s, prefill_s, pred.prediction_s, args.slots),
+    }
+    print(f"{folder}: step {step_s * 1000:.0f} ms, prefill {prefill_s * 1000:.2f} ms a prompt token, "
+          f"prediction {pred.prediction_s:.0f} s")
+    print(f"latency_vs_continuous measured {measured:.3f}, modelled {result['modelled_latency_vs_continuous']:.3f} "
+          f"(continuous mean {result['measured_continuous_mean_s']:.0f} s measured, "
+          f"{result['modelled_continuous_mean_s']:.0f} s modelled)")
+    print(table(["shortest first by", "rank r", "prediction as measured", "prediction free"],
+                [[name, f"{v['rank_correlation']:.3f}", f"{v['prediction_as_measured']:.3f}",
+                  f"{v['prediction_free']:.3f}"] for name, v in result["what_if"].items()]))
+    print(f"wrote {write_result('schedule_sim', result)}")
+    return result

@@ -1,0 +1,101 @@
+"""The step model of continuous batching behind `python -m bench schedule-sim`: exact finish times on
+small cases, shortest-first optimal on one slot, calibration that recovers the costs it was given,
+and the command on a kept pair."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import random
+import statistics
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from bench.schedule_policies import PolicyRun
+from bench.schedule_sim import PAIR, calibrate, continuous_latencies, run, steps_taken
+
+
+def test_finish_times_follow_the_slots_arrival_order_and_costs():
+    assert continuous_latencies([3, 1, 2], [0, 0, 0], None, slots=2) == [3, 1, 3]
+    # 10 s predicting first, 0.5 s a prompt token on admission: 0 and 1 admitted (12), 1 done at 13,
+    # 2 admitted (14), then 0 and 2 done at 16
+    assert continuous_latencies([3, 1, 2], [2, 2, 2], None, slots=2, prefill_s=0.5, upfront_s=10) == [16, 13, 16]
+    assert continuous_latencies([3, 1, 2], [0, 0, 0], [3.0, 1.0, 2.0], slots=1) == [6, 1, 3]
+    assert continuous_latencies([2, 2], [0, 0], [1.0, 1.0], slots=1) == [2, 4]  # a tie goes in arrival order
+
+
+def test_shortest_first_on_one_slot_gives_the_least_mean_latency_of_any_order():
+    rng = random.Random(3)
+    lengths = [rng.randrange(1, 40) for _ in range(6)]
+    best = min(statistics.mean(itertools.accumulate(lengths[i] for i in order))
+               for order in itertools.permutations(range(6)))
+    assert statistics.mean(continuous_latencies(lengths, [0] * 6, lengths, slots=1)) == best
+    assert statistics.mean(continuous_latencies(lengths, [0] * 6, None, slots=1)) > best
+
+
+def _pair(answers, prompts, key, step_s, prefill_s, prediction_s):
+    """Runs as the model would measure them."""
+    ids = [f"r{i:05d}" for i in range(len(answers))]
+
+    def as_run(latencies, prediction=0.0):
+        return PolicyRun(answers={i: [7] * n for i, n in zip(ids, answers)}, latency_s=dict(zip(ids, latencies)),
+                         wall_s=max(latencies), prediction_s=prediction)
+
+    cont = as_run(continuous_latencies(answers, prompts, None, 4, step_s, prefill_s))
+    pred = as_run(continuous_latencies(answers, prompts, key, 4, step_s), prediction_s)
+    return cont, pred
+
+
+def test_calibration_recovers_the_step_and_prefill_costs_that_made_the_runs():
+    rng = random.Random(5)
+    answers = [rng.randrange(1, 60) for _ in range(40)]
+    prompts = [rng.randrange(5, 90) for _ in range(40)]
+    key = [a + rng.uniform(-20, 20) for a in answers]
+    cont, pred = _pair(answers, prompts, key, 0.2, 0.004, 30.0)
+    assert steps_taken(answers, key, 4) == pytest.approx(pred.wall_s / 0.2)
+    assert calibrate(cont, pred, answers, prompts, key, slots=4) == pytest.approx((0.2, 0.004))
+
+
+def test_the_command_replays_a_kept_pair_and_reports_each_key(tmp_path, monkeypatch):
+    import bench.schedule_sim as sim
+
+    monkeypatch.setattr(sim, "write_result", lambda name, payload: tmp_path / f"{name}.json")
+    rng = random.Random(9)
+    n = 30
+    answers = [rng.choice([rng.randrange(1, 20), 60]) for _ in range(n)]
+    prompts = [rng.randrange(5, 50) for _ in range(n)]
+    served = [60 if a == 60 or i % 2 else a for i, a in enumerate(answers)]  # half the short ones read as cut
+    expected = [a + 0.5 for a in answers]
+    cont, pred = _pair(answers, prompts, expected, 0.2, 0.004, 12.0)
+    rows = [f"p{i}" for i in range(n)]
+    store = tmp_path / "store"
+    folder = store / "w" / "predictor-x" / PAIR
+    folder.mkdir(parents=True)
+    (store / "w" / "signature.json").write_text(json.dumps({"n": n, "rows": rows}))
+    (store / "w" / "predictor-x" / "predictions.json").write_text(
+        json.dumps({"predicted": served, "expected": expected, "seconds": 12.0}))
+    for name, r in (("continuous", cont), ("continuous_predicted", pred)):
+        (folder / f"{name}.json").write_text(json.dumps(dataclasses.asdict(r)))
+    labels = tmp_path / "labels"
+    labels.mkdir()
+    pq.write_table(pa.Table.from_pylist([{"id": r, "prompt_tokens": p} for r, p in zip(rows, prompts)]),
+                   labels / "part-00000.parquet")
+
+    result = run(["--store", str(store), "--labels", str(labels), "--slots", "4"])
+    assert result["pair"] == str(folder)
+    assert result["step_s"] == pytest.approx(0.2) and result["prefill_s_per_token"] == pytest.approx(0.004)
+    assert result["modelled_latency_vs_continuous"] == pytest.approx(result["measured_latency_vs_continuous"])
+    what_if = result["what_if"]
+    assert set(what_if) == {"served length", "expected length", "true length"}
+    assert what_if["true length"]["rank_correlation"] == 1.0 > what_if["served length"]["rank_correlation"]
+    assert what_if["expected length"]["prediction_free"] == pytest.approx(what_if["true length"]["prediction_free"])
+    assert what_if["served length"]["prediction_free"] > what_if["true length"]["prediction_free"]
+    for ratios in what_if.values():
+        assert ratios["prediction_free"] < ratios["prediction_as_measured"]
+
+
+def test_the_command_without_a_kept_pair_says_how_to_make_one(tmp_path):
+    with pytest.raises(SystemExit, match="--in-turns continuous,continuous\\+predicted"):
+        run(["--store", str(tmp_path)])
