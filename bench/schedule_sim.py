@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.common import RESULTS, table, write_result
+from bench.common import REPO, RESULTS, table, write_result
 from bench.schedule_policies import PolicyRun
 from predictor.labels import DEFAULT_OUT as DEFAULT_LABELS
 from predictor.labels import read_labels
@@ -121,12 +121,13 @@ def run(argv: list[str]) -> dict:
         keys["expected length"] = predictions["expected"]
     measured_key = keys.get("expected length", keys["served length"])  # what the run's folder sorted by
     cont, pred = runs["continuous"], runs["continuous_predicted"]
+    shown = folder.resolve().relative_to(REPO) if folder.resolve().is_relative_to(REPO) else folder
     step_s, prefill_s = calibrate(cont, pred, answers, prompts, measured_key, args.slots)
     measured = (statistics.mean(pred.latency_s.values()) + pred.prediction_s) / statistics.mean(cont.latency_s.values())
     arrival = continuous_latencies(answers, prompts, None, args.slots, step_s, prefill_s)
     replay = continuous_latencies(answers, prompts, measured_key, args.slots, step_s, 0.0, pred.prediction_s)
     result = {
-        "pair": str(folder), "requests": len(ids), "step_s": step_s, "prefill_s_per_token": prefill_s,
+        "pair": str(shown), "requests": len(ids), "step_s": step_s, "prefill_s_per_token": prefill_s,
         "prediction_s": pred.prediction_s, "measured_latency_vs_continuous": measured,
         "modelled_latency_vs_continuous": statistics.mean(replay) / statistics.mean(arrival),
         "modelled_continuous_mean_s": statistics.mean(arrival),
