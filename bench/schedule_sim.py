@@ -109,9 +109,10 @@ def run(argv: list[str]) -> dict:
         if not path.exists():
             raise SystemExit(f"--pair: {path} is missing")
         runs[name] = PolicyRun(**json.loads(path.read_text()))
-    predictor_folder, workload_folder = folder.parents[1], folder.parents[2]
-    predictions = json.loads((predictor_folder / "predictions.json").read_text())
-    signature = json.loads((workload_folder / "signature.json").read_text())
+    kept = {"predictions": folder.parents[1] / "predictions.json", "signature": folder.parents[2] / "signature.json"}
+    if missing := [str(path) for path in kept.values() if not path.exists()]:
+        raise SystemExit(f"--pair: not a pair kept by python -m bench schedule ({', '.join(missing)} missing)")
+    predictions, signature = (json.loads(path.read_text()) for path in kept.values())
     prompt_tokens = {r["id"]: r["prompt_tokens"] for r in read_labels(args.labels)}
     ids = [f"r{i:05d}" for i in range(signature["n"])]
     answers = [len(runs["continuous"].answers[i]) for i in ids]

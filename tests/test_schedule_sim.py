@@ -99,3 +99,9 @@ def test_the_command_replays_a_kept_pair_and_reports_each_key(tmp_path, monkeypa
 def test_the_command_without_a_kept_pair_says_how_to_make_one(tmp_path):
     with pytest.raises(SystemExit, match="--in-turns continuous,continuous\\+predicted"):
         run(["--store", str(tmp_path)])
+    lone = tmp_path / "a" / "b" / "c" / "pair"
+    lone.mkdir(parents=True)
+    for name in ("continuous", "continuous_predicted"):
+        (lone / f"{name}.json").write_text(json.dumps(dataclasses.asdict(PolicyRun())))
+    with pytest.raises(SystemExit, match="--pair: not a pair kept by python -m bench schedule"):
+        run(["--pair", str(lone)])
