@@ -70,17 +70,17 @@ def calibrate(continuous: PolicyRun, predicted: PolicyRun, answer_lengths: Seque
     return step_s, max(prefill_s, 0.0)
 
 
-def what_if(answer_lengths: Sequence[int], prompt_lengths: Sequence[int], keys: dict[str, Sequence[float]],
-            step_s: float, prefill_s: float, upfront_s: float, slots: int = SLOTS) -> dict[str, dict[str, float]]:
-    """Mean latency of shortest-first by each key over arrival order's, with the prediction's
-    `upfront_s` as measured and free."""
-    arrival = statistics.mean(continuous_latencies(answer_lengths, prompt_lengths, None, slots, step_s, prefill_s))
+def what_if(answer_lengths: Sequence[int], keys: dict[str, Sequence[float]], arrival_mean_s: float,
+            step_s: float, upfront_s: float, slots: int = SLOTS) -> dict[str, dict[str, float]]:
+    """Mean latency of shortest-first by each key over arrival order's (`arrival_mean_s`, modelled),
+    with the prediction's `upfront_s` as measured and free."""
+    no_prefill = [0] * len(answer_lengths)  # the predicted policy starts from the predictor's prompt KV
     out = {}
     for name, key in keys.items():
         ratios = {}
         for label, upfront in (("prediction_as_measured", upfront_s), ("prediction_free", 0.0)):
-            latency = continuous_latencies(answer_lengths, prompt_lengths, key, slots, step_s, 0.0, upfront)
-            ratios[label] = statistics.mean(latency) / arrival
+            latency = continuous_latencies(answer_lengths, no_prefill, key, slots, step_s, 0.0, upfront)
+            ratios[label] = statistics.mean(latency) / arrival_mean_s
         out[name] = {"rank_correlation": rank_correlation(key, answer_lengths), **ratios}
     return out
 
@@ -125,15 +125,15 @@ def run(argv: list[str]) -> dict:
     shown = folder.resolve().relative_to(REPO) if folder.resolve().is_relative_to(REPO) else folder
     step_s, prefill_s = calibrate(cont, pred, answers, prompts, measured_key, args.slots)
     measured = (statistics.mean(pred.latency_s.values()) + pred.prediction_s) / statistics.mean(cont.latency_s.values())
-    arrival = continuous_latencies(answers, prompts, None, args.slots, step_s, prefill_s)
+    arrival = statistics.mean(continuous_latencies(answers, prompts, None, args.slots, step_s, prefill_s))
     replay = continuous_latencies(answers, prompts, measured_key, args.slots, step_s, 0.0, pred.prediction_s)
     result = {
         "pair": str(shown), "requests": len(ids), "step_s": step_s, "prefill_s_per_token": prefill_s,
         "prediction_s": pred.prediction_s, "measured_latency_vs_continuous": measured,
-        "modelled_latency_vs_continuous": statistics.mean(replay) / statistics.mean(arrival),
-        "modelled_continuous_mean_s": statistics.mean(arrival),
+        "modelled_latency_vs_continuous": statistics.mean(replay) / arrival,
+        "modelled_continuous_mean_s": arrival,
         "measured_continuous_mean_s": statistics.mean(cont.latency_s.values()),
-        "what_if": what_if(answers, prompts, keys, step_s, prefill_s, pred.prediction_s, args.slots),
+        "what_if": what_if(answers, keys, arrival, step_s, pred.prediction_s, args.slots),
     }
     print(f"{folder}: step {step_s * 1000:.0f} ms, prefill {prefill_s * 1000:.2f} ms a prompt token, "
           f"prediction {pred.prediction_s:.0f} s")

@@ -325,9 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora-layers", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--head", choices=["regression", "buckets"], default="buckets",
-                        help=PredictorSettings.model_fields["head"].description)
     fields = PredictorSettings.model_fields
+    parser.add_argument("--head", choices=["regression", "buckets"], default="buckets", help=fields["head"].description)
     parser.add_argument("--bucket-width", type=int, default=fields["bucket_width"].default,
                         help=fields["bucket_width"].description)
     parser.add_argument("--bucket-smoothing", type=float, default=fields["bucket_smoothing"].default,
