@@ -2,12 +2,47 @@
 no downloads and no real weights, and run in well under a second each on a shared CPU."""
 from __future__ import annotations
 
+import _thread
+import faulthandler
 import os
+import sys
+import threading
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# The slowest test takes about 3 minutes on 2 cores. One stuck far past that (a Ray call on a broken
+# cluster blocks forever) must not hang the whole run until CI kills it with nothing printed.
+STUCK_TEST_S = float(os.environ.get("PLATO_TEST_TIMEOUT_S", 900))
+
+
+def _stop_stuck_test(item: pytest.Item) -> None:
+    """Print every thread's stack, then interrupt the main thread. A KeyboardInterrupt is what ray.get
+    gives up on (it swallows other exceptions raised by signal handlers), and pytest answers it by
+    stopping the run and reporting every failure so far; if even that hangs, exit."""
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:  # else the stacks would land in the stuck test's captured output, never shown
+        capture.suspend_global_capture(in_=False)
+    nodeid = item.nodeid
+    sys.stderr.write(f"\n{nodeid} ran past {STUCK_TEST_S:.0f} s (PLATO_TEST_TIMEOUT_S); its threads:\n")
+    faulthandler.dump_traceback(all_threads=True)
+    _thread.interrupt_main()
+    exit_timer = threading.Timer(120, lambda: (sys.stderr.flush(), os._exit(3)))
+    exit_timer.daemon = True
+    exit_timer.start()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    watchdog = threading.Timer(STUCK_TEST_S, _stop_stuck_test, args=(item,))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
 
 TINY_VOCAB_SIZE = 256
 TINY_EOS_ID = 2  # "<|im_end|>" in the tiny tokenizer

@@ -14,7 +14,8 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    # address="local": a Ray of its own, never one that RAY_ADDRESS or an earlier `ray start` left behind
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -23,7 +23,7 @@ def server():
     from deployments.app import build_app
 
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"engine": {"max_batch_size": 8, "max_model_len": 1024, "num_threads": 2},
