@@ -35,6 +35,11 @@ by a quarter between them. `--in-turns A,B` serves just two policies in turns in
 each on its own engine and timed on its own clock, prediction included for the one that reads
 predictions: their ratio is then free of the machine's drift. Those pairs are kept in the store and
 in bench/results/schedule_in_turns.json.
+
+`--rate R` (with `--in-turns continuous,continuous+predicted`) has the requests arrive as a Poisson
+stream of R a second (seeded) instead of all at t=0, as a service meets them: each is predicted
+when it arrives, on its policy's clock, and waits among those that have arrived; latency counts
+from arrival. The binned policies keep the paper's offline setting.
 """
 from __future__ import annotations
 
@@ -209,6 +214,41 @@ def holding(engine: LLMEngine, entries: list[PrefixEntry] | None):
         cache.max_bytes = bound
 
 
+class PredictOnArrival:
+    """`predict(jobs)` for a policy whose requests arrive over time: the expected lengths of the jobs
+    that just arrived, from the predictor's pass over their prompts (in chunks), with each distinct
+    prompt's KV put into `engine`'s prefix cache (room made for it), as the service's predictor
+    hands it to the decoder. `seconds`: the predictor's time, spent inside the policy's run."""
+
+    def __init__(self, predictor: LengthPredictor, engine: LLMEngine, chunk: int = 64):
+        self.predictor, self.engine, self.chunk = predictor, engine, chunk
+        self.seconds, self._held, self._bytes = 0.0, set(), 0
+
+    def __call__(self, jobs: list[Job]) -> list[float]:
+        started, keys = self.predictor.seconds, []
+        for first in range(0, len(jobs), self.chunk):
+            _, expected, entries = self.predictor.estimate_with_kv([j.prompt_ids for j in jobs[first : first + self.chunk]])
+            keys += expected
+            for entry in entries:
+                if entry.token_ids not in self._held:
+                    self._held.add(entry.token_ids)
+                    self._bytes += entry.nbytes
+                    cache = self.engine.prefix_cache
+                    cache.max_bytes = max(cache.max_bytes, self._bytes)
+                    self.engine.import_prefix(entry)
+        self.seconds += self.predictor.seconds - started
+        return keys
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """`n` arrival times (s) of a Poisson stream of `rate` requests a second, from t=0, seeded."""
+    rng, now, times = random.Random(f"arrivals:{seed}"), 0.0, []
+    for _ in range(n):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
 def policy_turns(jobs: list[Job], params: SamplingParams, edges: list[int]
                  ) -> Callable[[str, LLMEngine, PolicyRun, Callable[[], float]], Iterator[None]]:
     """`turns_of(name, engine, run, clock)`: the named policy's turns on `engine` into `run` (continuous batching, or a batcher's micro-batches
@@ -218,10 +258,12 @@ def policy_turns(jobs: list[Job], params: SamplingParams, edges: list[int]
     lengths_of = {None: None, "predicted": [j.predicted for j in jobs], "expected": [j.expected for j in jobs],
                   "labels": [j.label for j in jobs]}
 
-    def turns_of(name: str, engine: LLMEngine, run: PolicyRun, clock: Callable[[], float]) -> Iterator[None]:
+    def turns_of(name: str, engine: LLMEngine, run: PolicyRun, clock: Callable[[], float],
+                 predict: Callable[[list[Job]], list[float]] | None = None) -> Iterator[None]:
         lengths, progress = lengths_of[LENGTHS_READ[name]], print_progress(name, len(jobs))
         if name.startswith("continuous"):
-            return continuous_turns(engine, jobs, params, lengths, run, clock, progress)
+            return continuous_turns(engine, jobs, params, None if predict else lengths, run, clock, progress,
+                                    predict=predict)
         return binned_turns(engine, jobs, params, configs[name], lengths, run, clock, progress)
 
     return turns_of
@@ -272,16 +314,25 @@ def run_policies(static_engine: LLMEngine, continuous_engine: LLMEngine, jobs: l
 
 def run_pair_in_turns(pair: tuple[str, str], engine_for: Callable[[str], LLMEngine], jobs: list[Job],
                       params: SamplingParams, edges: list[int], predicting: Iterator | None = None,
-                      probe: LLMEngine | None = None) -> dict[str, PolicyRun]:
+                      probe: LLMEngine | None = None, predictor: LengthPredictor | None = None
+                      ) -> dict[str, PolicyRun]:
     """Two policies served in turns in one process (`run_in_turns`), each on its own engine from
     `engine_for(name)` (so neither reuses the other's cache) and timed on its own clock, so the
     machine's drift hits both alike. A policy that reads predictions first runs `predicting` (a
     `prediction_turns`), a chunk a turn on its own clock, and counts that as its `prediction_s`;
-    its engine then holds the predictor's prompt KV while it runs. With `probe`, both runs record
-    the box speed before and after the pair."""
+    its engine then holds the predictor's prompt KV while it runs. Jobs that arrive over time
+    (`Job.arrival_s`) are predicted as they arrive instead, by `predictor` (`PredictOnArrival`), and
+    that time is `prediction_in_run_s`. With `probe`, both runs record the box speed before and after
+    the pair."""
     check_pair(pair)
     reads = [name for name in pair if name in PREDICTED]
-    if reads and predicting is None:
+    over_time = any(job.arrival_s > 0 for job in jobs)
+    if over_time and any(not name.startswith("continuous") for name in pair):
+        raise ValueError("requests that arrive over time are served by the continuous policies only; "
+                         f"got {', '.join(pair)}")
+    if reads and over_time and predictor is None:
+        raise ValueError(f"{reads[0]} predicts its requests as they arrive; the predictor is needed")
+    if reads and not over_time and predicting is None:
         raise ValueError(f"{reads[0]} reads predictions; the predictor's turns are needed")
     turns_of = policy_turns(jobs, params, edges)
     runs = {name: PolicyRun() for name in pair}
@@ -289,6 +340,10 @@ def run_pair_in_turns(pair: tuple[str, str], engine_for: Callable[[str], LLMEngi
     turns = {}
     for name in pair:
         engine = engine_for(name)
+        if name in reads and over_time:
+            turns[name] = _predicting_on_arrival(PredictOnArrival(predictor, engine), engine, turns_of, name,
+                                                 runs[name], clocks[name])
+            continue
         policy = turns_of(name, engine, runs[name], clocks[name])
         turns[name] = (_after_prediction(predicting, engine, policy, runs[name], clocks[name])
                        if name in reads else policy)
@@ -308,6 +363,15 @@ def _after_prediction(predicting: Iterator, engine: LLMEngine, policy: Iterator[
     run.prediction_s = clock()
     with holding(engine, entries):
         yield from policy
+
+
+def _predicting_on_arrival(predict: PredictOnArrival, engine: LLMEngine, turns_of: Callable, name: str,
+                           run: PolicyRun, clock: PolicyClock) -> Iterator[None]:
+    """The policy's turns, predicting its requests as they arrive, on an engine that holds the
+    predictor's prompt KV of those that arrived, and only those, while it runs."""
+    with holding(engine, None):
+        yield from turns_of(name, engine, run, clock, predict=predict)
+    run.prediction_in_run_s = predict.seconds
 
 
 def print_progress(name: str, n: int, parts: int = 10):
@@ -395,9 +459,11 @@ def _chart(policies: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def report_pair(pair: tuple[str, str], store: RunStore, measure: Callable[[], dict[str, PolicyRun]], n: int) -> dict:
+def report_pair(pair: tuple[str, str], store: RunStore, measure: Callable[[], dict[str, PolicyRun]], n: int,
+                rate: float | None = None) -> dict:
     """The pair's runs in turns, from the store or measured now (and kept); printed, and added to
-    bench/results/schedule_in_turns.json under the pair's name with the issue's keys they allow."""
+    bench/results/schedule_in_turns.json under the pair's name (and arrival rate) with the issue's
+    keys they allow."""
     folder = store.pair_folder(pair)
     paths = {name: folder / f"{name.replace('+', '_')}.json" for name in pair}
     if all(path.exists() for path in paths.values()):
@@ -411,7 +477,7 @@ def report_pair(pair: tuple[str, str], store: RunStore, measure: Callable[[], di
     summaries = {name: summarize(run) for name, run in runs.items()}
     keys = issue_keys(summaries)
     first, second = pair
-    entry = rounded({"requests": n, "policies": summaries, **keys,
+    entry = rounded({"requests": n, "arrivals_per_s": rate, "policies": summaries, **keys,
                      "samples_per_s_ratio": summaries[second]["samples_per_s"] / summaries[first]["samples_per_s"],
                      "latency_mean_ratio": summaries[second]["latency_mean_s"] / summaries[first]["latency_mean_s"],
                      "same_answers": statistics.mean(runs[first].answers[k] == runs[second].answers.get(k)
@@ -419,7 +485,7 @@ def report_pair(pair: tuple[str, str], store: RunStore, measure: Callable[[], di
                      "machine": machine()})
     path = RESULTS / "schedule_in_turns.json"
     kept = json.loads(path.read_text()) if path.exists() else {}
-    kept[" + ".join(pair)] = entry
+    kept[" + ".join(pair) + ("" if rate is None else f" at {rate:g}/s")] = entry
     path.write_text(json.dumps(kept, indent=1) + "\n")
     print(policy_table(summaries))
     print(f"{second} over {first}, served in turns: samples/s x{entry['samples_per_s_ratio']:.3f}, mean latency "
@@ -443,6 +509,9 @@ def run(argv: list[str]) -> dict:
                         help="serve just these two policies in turns in one process, each on its own engine and "
                         "clock, so the machine's drift hits both alike (e.g. vanilla,predicted+vbs+fcr); kept in "
                         "--store and added to bench/results/schedule_in_turns.json")
+    parser.add_argument("--rate", type=float, default=None, metavar="R",
+                        help="with --in-turns continuous,continuous+predicted: requests arrive as a Poisson stream "
+                        "of R a second (seeded by --seed) instead of all at t=0, each predicted when it arrives")
     parser.add_argument("--store", type=Path, default=RESULTS / "schedule_runs",
                         help="folder of finished policy runs, per workload (reused when the workload is the same)")
     args = parser.parse_args(argv)
@@ -455,6 +524,11 @@ def run(argv: list[str]) -> dict:
             check_pair(pair)
         except ValueError as error:
             raise SystemExit(f"--in-turns: {error}") from None
+    if args.rate is not None and (args.rate <= 0 or pair is None
+                                  or any(not name.startswith("continuous") for name in pair)):
+        raise SystemExit("--rate: a positive number of requests a second, with --in-turns of the continuous "
+                         "policies (e.g. --in-turns continuous,continuous+predicted --rate 0.35); the binned "
+                         "policies serve the paper's offline setting, every request at t=0")
     if not (args.adapter / "settings.json").exists():
         raise SystemExit(f"--adapter: no trained length adapter in {args.adapter}; train one with "
                          f"python -m predictor.train, or pass --adapter FOLDER")
@@ -480,7 +554,8 @@ def run(argv: list[str]) -> dict:
     store = RunStore(args.store, {
         "n": n, "seed": args.seed, "rows": [r["id"] for r in chosen], "labels": [r["label"] for r in chosen],
         "model": config.model, "max_tokens": max_tokens, "edges": EDGES,
-        "vanilla_batch": VANILLA_BATCH, "vbs_max_batch": VBS_MAX_BATCH},
+        "vanilla_batch": VANILLA_BATCH, "vbs_max_batch": VBS_MAX_BATCH,
+        **({} if args.rate is None else {"rate": args.rate})},  # a burst's runs keep the folder they had
         predictor=PREDICTION + hashlib.sha256(b"".join(f.read_bytes() for f in sorted(args.adapter.iterdir())
                                                         if f.is_file())).hexdigest())
     saved, prompt_kv = store.predictions, None
@@ -499,13 +574,14 @@ def run(argv: list[str]) -> dict:
         print(f"note: {sum(a != b for a, b in zip(kept['predicted'], predictions))} predictions differ from the "
               "kept ones; the kept ones are used")
     predictions, expected = kept["predicted"], kept["expected"]
-    jobs = [Job(id=f"r{i:05d}", prompt_ids=p, label=r["label"], predicted=q, expected=e)
-            for i, (r, p, q, e) in enumerate(zip(chosen, ids, predictions, expected))]
+    arrivals = [0.0] * n if args.rate is None else poisson_arrivals(n, args.rate, args.seed)
+    jobs = [Job(id=f"r{i:05d}", prompt_ids=p, label=r["label"], predicted=q, expected=e, arrival_s=a)
+            for i, (r, p, q, e, a) in enumerate(zip(chosen, ids, predictions, expected, arrivals))]
     if pair is not None:
-        predicting = None
+        predicting = predictor = None
         if set(pair) & set(PREDICTED):  # predicted again in the pair's turns, timed on its policy's clock
-            predicting = prediction_turns(LengthPredictor(hf_model, tokenizer, PredictorConfig(adapter=str(args.adapter))),
-                                          ids)
+            predictor = LengthPredictor(hf_model, tokenizer, PredictorConfig(adapter=str(args.adapter)))
+            predicting = prediction_turns(predictor, ids) if args.rate is None else None
         unused = {"continuous": [continuous], "static": [static]}  # the second of a kind gets an engine of its own
 
         def engine_for(name: str) -> LLMEngine:
@@ -517,7 +593,8 @@ def run(argv: list[str]) -> dict:
             return built
 
         return report_pair(pair, store, lambda: run_pair_in_turns(pair, engine_for, jobs, params, EDGES, predicting,
-                                                                   probe=continuous), n)
+                                                                   probe=continuous, predictor=predictor), n,
+                           args.rate)
     runs = run_policies(static, continuous, jobs, params, EDGES, prediction_s, store=store, only=only,
                         prompt_kv=prompt_kv)
     missing = [name for name in POLICIES if name not in runs]

@@ -14,19 +14,21 @@ it has E + 1 tokens and none of them stopped it (an answer of exactly E tokens m
 token first). The cut keeps all its tokens; the batcher re-queues it a bin up, where it resumes
 after them (its prompt and kept tokens are prefilled again: that is the recompute).
 
-Continuous (`continuous`, `continuous+predicted`): every request is added to one engine at t=0
-and the engine's own continuous batching serves them, in arrival order or by priority.
+Continuous (`continuous`, `continuous+predicted`): every request is added to one engine as it
+arrives (all at t=0 unless the workload has arrival times) and the engine's own continuous batching
+serves them, in arrival order or by priority.
 
 Counted per policy: `decode_tokens`, the answer positions computed (rows x steps, padding and each
 sampled end token included); `prefill_tokens`, the prompt (and resumed) tokens prefilled;
 `recompute_tokens`, those prefilled again on resume; and each request's final answer and the
-seconds from t=0 to its return (a static batch returns its members when it is done).
+seconds from its arrival to its return (a static batch returns its members when it is done).
 """
 from __future__ import annotations
 
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
@@ -45,6 +47,7 @@ class Job:
     label: int  # its true answer length in tokens
     predicted: int | None = None  # what to cap and bin it by
     expected: float | None = None  # the predictor's expected length: what to order it by
+    arrival_s: float = 0.0  # when it arrives, from the start of the run
 
 
 @dataclass
@@ -55,6 +58,7 @@ class PolicyRun:
     latency_s: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
     prediction_s: float = 0.0  # spent predicting lengths before scheduling began
+    prediction_in_run_s: float = 0.0  # spent predicting requests as they arrived: inside wall_s and the latencies
     decode_tokens: int = 0
     prefill_tokens: int = 0
     recompute_tokens: int = 0
@@ -62,12 +66,13 @@ class PolicyRun:
     box_tok_s: list[float] = field(default_factory=list)  # `box_speed` just before and just after the run
 
     def finish(self, request_id: str, token_ids: list[int], at_s: float,
-               progress: Callable[[int, float], None] | None = None) -> None:
-        """Record one answer; `progress(answered so far, at_s)` is told of it."""
+               progress: Callable[[int, float], None] | None = None, arrived_s: float = 0.0) -> None:
+        """Record one answer, returned `at_s` into the run, of a request that arrived at `arrived_s`;
+        `progress(answered so far, at_s)` is told of it."""
         if request_id in self.answers:
             raise RuntimeError(f"request {request_id} was answered twice")
         self.answers[request_id] = list(token_ids)
-        self.latency_s[request_id] = at_s
+        self.latency_s[request_id] = at_s - arrived_s
         if progress is not None:
             progress(len(self.answers), at_s)
 
@@ -148,6 +153,11 @@ class PolicyClock:
     def __call__(self) -> float:
         return self._spent + (0.0 if self._since is None else time.perf_counter() - self._since)
 
+    def skip(self, seconds: float) -> None:
+        """Move on `seconds` at once: a policy with nothing to do until its next request arrives
+        waits at no cost to the machine, and without holding up the policy served beside it."""
+        self._spent += max(0.0, seconds)
+
 
 def running_clock() -> PolicyClock:
     """A clock for a policy that runs alone: running from now on."""
@@ -183,22 +193,36 @@ def binned_turns(engine: LLMEngine, jobs: list[Job], params: SamplingParams, con
 
 
 def continuous_turns(engine: LLMEngine, jobs: list[Job], params: SamplingParams, lengths: list[float] | None,
-                     run: PolicyRun, clock: Callable[[], float], progress: Callable[[int, float], None] | None = None,
-                     steps_per_turn: int = 16) -> Iterator[None]:
-    """Every job added to the engine at t=0 (with `lengths`, the shortest is admitted first, equal
-    ones in arrival order) and served by its continuous batching into `run`; yields every
-    `steps_per_turn` steps."""
+                     run: PolicyRun, clock: PolicyClock, progress: Callable[[int, float], None] | None = None,
+                     steps_per_turn: int = 16, predict: Callable[[list[Job]], list[float]] | None = None
+                     ) -> Iterator[None]:
+    """Every job added to the engine when it arrives on the policy's clock (`Job.arrival_s`; equal
+    times in the jobs' order) and served by its continuous batching into `run`; yields every
+    `steps_per_turn` steps. The shortest waiting job is admitted first by `lengths`, known up front,
+    or by what `predict(the jobs just arrived)` returns for them, its time spent on this clock, as a
+    service predicts each request when it arrives; equal ones in arrival order. With nothing to
+    decode and more jobs to come, the clock skips to the next arrival."""
     prefilled = engine.stats()["prefill_tokens"]
     started = clock()
-    members = {}
+    members, arrival = {}, {job.id: job.arrival_s for job in jobs}
     shortest_first = sorted(range(len(jobs)), key=lambda i: lengths[i]) if lengths is not None else []
     rank = {i: r for r, i in enumerate(shortest_first)}
-    for i, job in enumerate(jobs):
-        request = GenerationRequest(id=job.id, prompt_ids=job.prompt_ids, params=params, priority=-rank.get(i, 0))
-        members[job.id] = _Member(request, engine.stop_token_ids)
-        engine.add(request)
+    coming = deque(sorted(range(len(jobs)), key=lambda i: jobs[i].arrival_s))
     steps = 0
-    while engine.has_work():
+    while coming or engine.has_work():
+        arrived = []
+        while coming and jobs[coming[0]].arrival_s <= clock() - started:
+            arrived.append(coming.popleft())
+        keys = predict([jobs[i] for i in arrived]) if predict is not None and arrived else None
+        for n, i in enumerate(arrived):
+            # the engine's priority is an int: a predicted key counts to a thousandth of a token
+            priority = -rank.get(i, 0) if keys is None else -round(keys[n] * 1000)
+            request = GenerationRequest(id=jobs[i].id, prompt_ids=jobs[i].prompt_ids, params=params, priority=priority)
+            members[jobs[i].id] = _Member(request, engine.stop_token_ids)
+            engine.add(request)
+        if not engine.has_work():
+            clock.skip(jobs[coming[0]].arrival_s - (clock() - started))
+            continue
         for event in engine.step():
             member = members[event.request_id]
             for token in event.token_ids:
@@ -208,7 +232,7 @@ def continuous_turns(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
             if event.finish_reason == FinishReason.STOP and member.finish is None:
                 member.sampled += 1  # the end token: sampled, not kept
             result = engine.pop_result(event.request_id)
-            run.finish(event.request_id, result.token_ids, clock() - started, progress)
+            run.finish(event.request_id, result.token_ids, clock() - started, progress, arrival[event.request_id])
         steps += 1
         if steps % steps_per_turn == 0 and engine.has_work():
             yield
@@ -285,6 +309,7 @@ def summarize(run: PolicyRun) -> dict:
         "requests": n,
         "wall_s": wall,
         "prediction_s": run.prediction_s,
+        "prediction_in_run_s": run.prediction_in_run_s,
         "samples_per_s": n / wall,
         "tokens_per_s": useful / wall,
         "useful_tokens": useful,

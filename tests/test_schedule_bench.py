@@ -435,3 +435,123 @@ def test_a_pair_in_turns_is_kept_reported_with_its_keys_and_read_back_without_ru
     assert again["policies"] == entry["policies"]
     kept = json.loads((tmp_path / "schedule_in_turns.json").read_text())
     assert list(kept) == [f"vanilla + {HEADLINE}"] and f"{HEADLINE} over vanilla" in capsys.readouterr().out
+
+
+# ---- requests that arrive over time (--rate) ---------------------------------------------------------
+def test_poisson_arrivals_start_at_zero_never_go_back_and_average_one_over_the_rate():
+    from bench.schedule_bench import poisson_arrivals
+
+    times = poisson_arrivals(4000, 4.0, seed=0)
+    assert len(times) == 4000 and times[0] == 0.0
+    assert all(b >= a for a, b in zip(times, times[1:]))
+    assert times[-1] / (len(times) - 1) == pytest.approx(0.25, rel=0.05)
+    assert poisson_arrivals(50, 4.0, seed=0) == times[:50] and poisson_arrivals(50, 4.0, seed=1) != times[:50]
+
+
+def _arriving(jobs, late_s: float = 1000.0):
+    """The first half at t=0, the second half `late_s` later."""
+    half = len(jobs) // 2
+    return [dataclasses.replace(j, arrival_s=0.0 if i < half else late_s) for i, j in enumerate(jobs)]
+
+
+def test_continuous_admits_a_request_when_it_arrives_and_times_it_from_then(tiny_model, tiny_tokenizer, workload):
+    from bench.schedule_policies import continuous_turns
+
+    jobs, reference, _ = workload
+    arriving = _arriving(jobs[:8])
+    run_ = PolicyRun()
+    started = time.perf_counter()
+    drain(continuous_turns(engine(tiny_model, tiny_tokenizer, max_batch_size=16), arriving, PARAMS, None, run_,
+                           running_clock()))
+    assert time.perf_counter() - started < 100  # the 1,000 s until the late half arrives were skipped
+    assert run_.wall_s >= 1000
+    assert all(run_.answers[j.id] == reference[j.id].token_ids for j in arriving)
+    early, late = [run_.latency_s[j.id] for j in arriving[:4]], [run_.latency_s[j.id] for j in arriving[4:]]
+    assert max(early) < 100 and 0 < min(late) and max(late) <= run_.wall_s - 1000  # late ones: from their arrival
+
+
+def test_requests_predicted_on_arrival_go_shortest_first_among_those_that_have_arrived(
+        tiny_model, tiny_tokenizer, workload):
+    from bench.schedule_policies import continuous_turns
+
+    jobs, reference, _ = workload
+    arriving = _arriving(jobs[:6])
+    keys = {j.id: k for j, k in zip(arriving, [30.0, 10.0, 20.0, 5.0, 25.0, 15.0])}
+    calls = []
+
+    def predict(arrived):
+        calls.append([j.id for j in arrived])
+        return [keys[j.id] for j in arrived]
+
+    run_ = PolicyRun()
+    one_slot = engine(tiny_model, tiny_tokenizer, max_batch_size=1)  # admitted order = finished order
+    drain(continuous_turns(one_slot, arriving, PARAMS, None, run_, running_clock(), predict=predict))
+    assert calls == [[j.id for j in arriving[:3]], [j.id for j in arriving[3:]]]  # each once, when it arrives
+    finished = sorted(run_.answers, key=lambda rid: run_.latency_s[rid] + next(j.arrival_s for j in arriving if j.id == rid))
+    assert finished == [arriving[i].id for i in (1, 2, 0, 3, 5, 4)]  # by key within each arrival, not across
+    assert all(run_.answers[j.id] == reference[j.id].token_ids for j in arriving)
+
+
+class _StandInPredictor:
+    """`LengthPredictor.estimate_with_kv` from given expected lengths and prompt KV; 10 ms a call."""
+
+    def __init__(self, entries, expected: dict[tuple, float]):
+        self.entries = {tuple(e.token_ids): e for e in entries}
+        self.expected, self.seconds, self.calls = expected, 0.0, []
+
+    def estimate_with_kv(self, prompts):
+        self.calls.append(len(prompts))
+        time.sleep(0.01)
+        self.seconds += 0.01
+        keys = [self.expected[tuple(p)] for p in prompts]
+        return [round(k) for k in keys], keys, [self.entries[tuple(p)] for p in prompts]
+
+
+def test_predicting_on_arrival_returns_expected_lengths_and_hands_each_prompt_kv_to_the_engine_once(
+        tiny_model, tiny_tokenizer, workload):
+    from bench.schedule_bench import PredictOnArrival
+
+    jobs, _, _ = workload
+    some = jobs[:4] + jobs[:1]  # a repeated prompt
+    predictor = _StandInPredictor(_prompt_kv(tiny_model, tiny_tokenizer, some),
+                                  {tuple(j.prompt_ids): float(i) for i, j in enumerate(jobs[:4])})
+    target = engine(tiny_model, tiny_tokenizer, max_batch_size=4, prefix_cache_bytes=1)
+    predict = PredictOnArrival(predictor, target, chunk=2)
+    assert predict(some) == [0.0, 1.0, 2.0, 3.0, 0.0] and predictor.calls == [2, 2, 1]
+    assert len(target.prefix_cache) == 4 and target.prefix_cache.max_bytes > 1  # room made for the four
+    assert all(target.export_prefix(j.prompt_ids) is not None for j in jobs[:4])
+    assert predict.seconds == pytest.approx(0.03)
+
+
+def test_a_pair_arriving_over_time_predicts_on_arrival_and_answers_as_in_a_burst(tiny_model, tiny_tokenizer, workload):
+    jobs, _, runs = workload
+    arriving = _arriving(jobs, late_s=5.0)
+    predictor = _StandInPredictor(_prompt_kv(tiny_model, tiny_tokenizer, jobs),
+                                  {tuple(j.prompt_ids): j.expected for j in jobs})
+    engines = {}
+
+    def engine_for(name):
+        engines[name] = engine(tiny_model, tiny_tokenizer, max_batch_size=16, prefix_cache_bytes=1024)
+        return engines[name]
+
+    pair = ("continuous", "continuous+predicted")
+    paired = run_pair_in_turns(pair, engine_for, arriving, PARAMS, EDGES, predictor=predictor)
+    for name in pair:
+        assert paired[name].answers == runs[name].answers and paired[name].wall_s >= 5
+    reads = paired["continuous+predicted"]
+    assert reads.prediction_s == 0 and predictor.seconds > 0
+    assert reads.prediction_in_run_s == pytest.approx(predictor.seconds)
+    assert reads.prefill_tokens < paired["continuous"].prefill_tokens  # prompts came with the predictor's KV
+    assert summarize(reads)["latency_mean_s"] == pytest.approx(sum(reads.latency_s.values()) / len(jobs))
+    assert len(engines["continuous+predicted"].prefix_cache) == 0  # given back after the run
+    with pytest.raises(ValueError, match="continuous policies only"):
+        run_pair_in_turns(("vanilla", HEADLINE), None, arriving, PARAMS, EDGES, predictor=predictor)
+    with pytest.raises(ValueError, match="the predictor is needed"):
+        run_pair_in_turns(pair, None, arriving, PARAMS, EDGES)
+
+
+@pytest.mark.parametrize("argv", [["--rate", "0.5"], ["--rate", "0", "--in-turns", "continuous,continuous+predicted"],
+                                  ["--rate", "1", "--in-turns", f"vanilla,{HEADLINE}"]])
+def test_a_rate_needs_the_continuous_pair_and_must_be_positive(argv):
+    with pytest.raises(SystemExit, match="--rate"):
+        run(argv)
