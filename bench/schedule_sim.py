@@ -11,7 +11,9 @@ ordered). `step_s` is read from the predicted run (its decode phase prefills not
 steps), `prefill_s` from what `continuous` took beyond its own steps. The replay of the measured
 pair is printed beside the measurement, so the model's error is in view; then what a pair cannot
 tell: the ratio with the true lengths as the key (the ceiling of any predictor), and with the
-prediction free (prefill costing little beside decoding, as on a GPU). A model, not a measurement.
+prediction free (prefill costing little beside decoding, as on a GPU), and with the requests arriving
+as a Poisson stream (`--rates`, as `python -m bench schedule --rate` serves them), each predicted when
+it arrives. A model, not a measurement.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import REPO, RESULTS, table, write_result
+from bench.schedule_bench import poisson_arrivals
 from bench.schedule_policies import PolicyRun
 from predictor.labels import DEFAULT_OUT as DEFAULT_LABELS
 from predictor.labels import read_labels
@@ -50,6 +53,40 @@ def continuous_latencies(answer_lengths: Sequence[int], prompt_lengths: Sequence
             running[i] -= 1
             if running[i] <= 0:
                 finished[i] = now
+                del running[i]
+    return finished
+
+
+def arriving_latencies(answer_lengths: Sequence[int], prompt_lengths: Sequence[int], arrivals: Sequence[float],
+                       key: Sequence[float] | None = None, predict_s: Sequence[float] | None = None,
+                       slots: int = SLOTS, step_s: float = 1.0, prefill_s: float = 0.0) -> list[float]:
+    """Each request's latency from its arrival, the machine doing one thing at a time. Without `key`:
+    admitted in arrival order, its prompt prefilled on admission (`prefill_s` a token). With `key`: each
+    request is predicted as it arrives (`predict_s[i]`, its prompt's KV made then), and the smallest key
+    among those arrived is admitted first, with nothing to prefill. Idle until the next arrival when
+    nothing is there to decode."""
+    coming = sorted(range(len(answer_lengths)), key=lambda i: arrivals[i])
+    waiting: list[tuple[float, int]] = []
+    now, running, finished, next_in = 0.0, {}, [0.0] * len(answer_lengths), 0
+    while next_in < len(coming) or waiting or running:
+        while next_in < len(coming) and arrivals[coming[next_in]] <= now:
+            i = coming[next_in]
+            next_in += 1
+            if key is not None:
+                now += predict_s[i] if predict_s is not None else 0.0
+            heapq.heappush(waiting, ((arrivals[i], i) if key is None else (key[i], i)))
+        while len(running) < slots and waiting:
+            _, i = heapq.heappop(waiting)
+            now += 0.0 if key is not None else prompt_lengths[i] * prefill_s
+            running[i] = answer_lengths[i]
+        if not running:
+            now = max(now, arrivals[coming[next_in]])
+            continue
+        now += step_s
+        for i in list(running):
+            running[i] -= 1
+            if running[i] <= 0:
+                finished[i] = now - arrivals[i]
                 del running[i]
     return finished
 
@@ -101,7 +138,15 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--store", type=Path, default=RESULTS / "schedule_runs")
     parser.add_argument("--labels", type=Path, default=DEFAULT_LABELS, help="folder of the label parts")
     parser.add_argument("--slots", type=int, default=SLOTS, help="sequences the continuous engine decodes together")
+    parser.add_argument("--rates", default="0.3,0.35,0.4",
+                        help="arrival rates (requests/s) for the what-if of requests arriving over time")
     args = parser.parse_args(argv)
+    try:
+        rates = [float(r) for r in args.rates.split(",")]
+    except ValueError:
+        rates = []
+    if not rates or min(rates) <= 0:
+        raise SystemExit(f"--rates: comma-separated positive requests a second, got {args.rates!r}")
     folder = args.pair or newest_pair(args.store)
     runs = {}
     for name in ("continuous", "continuous_predicted"):
@@ -135,6 +180,16 @@ def run(argv: list[str]) -> dict:
         "measured_continuous_mean_s": statistics.mean(cont.latency_s.values()),
         "what_if": what_if(answers, keys, arrival, step_s, pred.prediction_s, args.slots),
     }
+    # arriving over time: the measured prediction time split over the requests by prompt length
+    predict_s = [pred.prediction_s * p / sum(prompts) for p in prompts]
+    result["arriving"] = {}
+    for rate in rates:
+        arrivals = poisson_arrivals(len(ids), rate, seed=0)  # as python -m bench schedule --rate draws them
+        plain = statistics.mean(arriving_latencies(answers, prompts, arrivals, None, None, args.slots, step_s, prefill_s))
+        first = statistics.mean(arriving_latencies(answers, prompts, arrivals, measured_key, predict_s, args.slots,
+                                                   step_s))
+        result["arriving"][f"{rate:g}"] = {"continuous_mean_s": plain, "predicted_mean_s": first,
+                                           "latency_vs_continuous": first / plain}
     print(f"{folder}: step {step_s * 1000:.0f} ms, prefill {prefill_s * 1000:.2f} ms a prompt token, "
           f"prediction {pred.prediction_s:.0f} s")
     print(f"latency_vs_continuous measured {measured:.3f}, modelled {result['modelled_latency_vs_continuous']:.3f} "
@@ -143,5 +198,8 @@ def run(argv: list[str]) -> dict:
     print(table(["shortest first by", "rank r", "prediction as measured", "prediction free"],
                 [[name, f"{v['rank_correlation']:.3f}", f"{v['prediction_as_measured']:.3f}",
                   f"{v['prediction_free']:.3f}"] for name, v in result["what_if"].items()]))
+    print(table(["arrivals/s", "continuous mean s", "predicted on arrival mean s", "latency_vs_continuous"],
+                [[rate, f"{v['continuous_mean_s']:.0f}", f"{v['predicted_mean_s']:.0f}", f"{v['latency_vs_continuous']:.3f}"]
+                 for rate, v in result["arriving"].items()]))
     print(f"wrote {write_result('schedule_sim', result)}")
     return result

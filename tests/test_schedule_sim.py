@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bench.schedule_policies import PolicyRun
-from bench.schedule_sim import PAIR, calibrate, continuous_latencies, run, steps_taken
+from bench.schedule_sim import PAIR, arriving_latencies, calibrate, continuous_latencies, run, steps_taken
 
 
 def test_finish_times_follow_the_slots_arrival_order_and_costs():
@@ -33,6 +33,20 @@ def test_shortest_first_on_one_slot_gives_the_least_mean_latency_of_any_order():
                for order in itertools.permutations(range(6)))
     assert statistics.mean(continuous_latencies(lengths, [0] * 6, lengths, slots=1)) == best
     assert statistics.mean(continuous_latencies(lengths, [0] * 6, None, slots=1)) > best
+
+
+def test_arriving_requests_wait_only_from_their_arrival_and_pay_prediction_or_prefill():
+    # one slot, a step a second: 0 arrives at 0 (2 tokens), 1 at 10 (3 tokens), the box idle between
+    assert arriving_latencies([2, 3], [0, 0], [0, 10], slots=1) == [2, 3]
+    assert arriving_latencies([2, 3], [4, 4], [0, 10], slots=1, prefill_s=0.25) == [3, 4]  # a 1 s prefill each
+    assert arriving_latencies([2, 3], [4, 4], [0, 10], key=[2, 3], predict_s=[0.5, 0.5], slots=1,
+                              prefill_s=0.25) == [2.5, 3.5]  # predicted on arrival, nothing prefilled
+    # three at once, shortest first by the key: done at 1, 3, 6 (arrival order: 3, 4, 6)
+    assert arriving_latencies([3, 1, 2], [0] * 3, [0, 0, 0], key=[3, 1, 2], slots=1) == [6, 1, 3]
+    assert arriving_latencies([3, 1, 2], [0] * 3, [0, 0, 0], slots=1) == [3, 4, 6]
+    # all at t=0 with no costs: the burst model's finish times
+    assert arriving_latencies([3, 1, 2], [0] * 3, [0] * 3, key=[3.0, 1.0, 2.0], slots=2) == \
+        continuous_latencies([3, 1, 2], [0] * 3, [3.0, 1.0, 2.0], slots=2)
 
 
 def _pair(answers, prompts, key, step_s, prefill_s, prediction_s):
@@ -94,6 +108,14 @@ def test_the_command_replays_a_kept_pair_and_reports_each_key(tmp_path, monkeypa
     assert what_if["served length"]["prediction_free"] > what_if["true length"]["prediction_free"]
     for ratios in what_if.values():
         assert ratios["prediction_free"] < ratios["prediction_as_measured"]
+    assert set(result["arriving"]) == {"0.3", "0.35", "0.4"}
+    for arriving in result["arriving"].values():
+        assert arriving["latency_vs_continuous"] == pytest.approx(
+            arriving["predicted_mean_s"] / arriving["continuous_mean_s"])
+    faster = run(["--store", str(store), "--labels", str(labels), "--slots", "4", "--rates", "0.5,50"])["arriving"]
+    assert faster["50"]["continuous_mean_s"] > faster["0.5"]["continuous_mean_s"]  # a queue builds
+    with pytest.raises(SystemExit, match="--rates"):
+        run(["--store", str(store), "--labels", str(labels), "--rates", "fast"])
 
 
 def test_the_command_without_a_kept_pair_says_how_to_make_one(tmp_path):
