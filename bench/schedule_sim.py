@@ -140,6 +140,9 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--slots", type=int, default=SLOTS, help="sequences the continuous engine decodes together")
     parser.add_argument("--rates", default="0.3,0.35,0.4",
                         help="arrival rates (requests/s) for the what-if of requests arriving over time")
+    parser.add_argument("--arrival-predict-s", type=float, default=None,
+                        help="seconds the predictor takes per request when requests arrive one by one (default: "
+                        "the pair's measured prediction time per request, made in chunks of 64); split by prompt length")
     args = parser.parse_args(argv)
     try:
         rates = [float(r) for r in args.rates.split(",")]
@@ -180,8 +183,10 @@ def run(argv: list[str]) -> dict:
         "measured_continuous_mean_s": statistics.mean(cont.latency_s.values()),
         "what_if": what_if(answers, keys, arrival, step_s, pred.prediction_s, args.slots),
     }
-    # arriving over time: the measured prediction time split over the requests by prompt length
-    predict_s = [pred.prediction_s * p / sum(prompts) for p in prompts]
+    # arriving over time: the prediction time split over the requests by prompt length
+    per_request = pred.prediction_s / len(ids) if args.arrival_predict_s is None else args.arrival_predict_s
+    predict_s = [per_request * len(ids) * p / sum(prompts) for p in prompts]
+    result["arrival_predict_s_per_request"] = per_request
     result["arriving"] = {}
     for rate in rates:
         arrivals = poisson_arrivals(len(ids), rate, seed=0)  # as python -m bench schedule --rate draws them

@@ -114,6 +114,11 @@ def test_the_command_replays_a_kept_pair_and_reports_each_key(tmp_path, monkeypa
             arriving["predicted_mean_s"] / arriving["continuous_mean_s"])
     faster = run(["--store", str(store), "--labels", str(labels), "--slots", "4", "--rates", "0.5,50"])["arriving"]
     assert faster["50"]["continuous_mean_s"] > faster["0.5"]["continuous_mean_s"]  # a queue builds
+    dearer = run(["--store", str(store), "--labels", str(labels), "--slots", "4", "--arrival-predict-s", "2"])
+    assert dearer["arrival_predict_s_per_request"] == 2 and result["arrival_predict_s_per_request"] == 12.0 / n
+    for rate, arriving in dearer["arriving"].items():
+        assert arriving["predicted_mean_s"] > result["arriving"][rate]["predicted_mean_s"]
+        assert arriving["continuous_mean_s"] == result["arriving"][rate]["continuous_mean_s"]
     with pytest.raises(SystemExit, match="--rates"):
         run(["--store", str(store), "--labels", str(labels), "--rates", "fast"])
 
