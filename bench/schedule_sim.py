@@ -150,6 +150,8 @@ def run(argv: list[str]) -> dict:
         rates = []
     if not rates or min(rates) <= 0:
         raise SystemExit(f"--rates: comma-separated positive requests a second, got {args.rates!r}")
+    if args.arrival_predict_s is not None and args.arrival_predict_s < 0:
+        raise SystemExit(f"--arrival-predict-s: seconds, at least 0, got {args.arrival_predict_s}")
     folder = args.pair or newest_pair(args.store)
     runs = {}
     for name in ("continuous", "continuous_predicted"):

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random Llama and an in-process tokenizer, so engine tests need no hub,
-no downloads and no real weights, and run in well under a second each on a shared CPU."""
+no downloads and no real weights, and run in well under a second each on a shared CPU; and a watchdog
+that stops the run, with every thread's stack, when one test hangs."""
 from __future__ import annotations
 
 import _thread

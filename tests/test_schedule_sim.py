@@ -121,6 +121,8 @@ def test_the_command_replays_a_kept_pair_and_reports_each_key(tmp_path, monkeypa
         assert arriving["continuous_mean_s"] == result["arriving"][rate]["continuous_mean_s"]
     with pytest.raises(SystemExit, match="--rates"):
         run(["--store", str(store), "--labels", str(labels), "--rates", "fast"])
+    with pytest.raises(SystemExit, match="--arrival-predict-s"):
+        run(["--store", str(store), "--labels", str(labels), "--arrival-predict-s", "-1"])
 
 
 def test_the_command_without_a_kept_pair_says_how_to_make_one(tmp_path):
