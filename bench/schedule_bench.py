@@ -216,7 +216,7 @@ def holding(engine: LLMEngine, entries: list[PrefixEntry] | None):
 
 class PredictOnArrival:
     """`predict(jobs)` for a policy whose requests arrive over time: the expected lengths of the jobs
-    that just arrived, from the predictor's pass over their prompts (in chunks), with each distinct
+    that just arrived, from the predictor's pass over their prompts (`predict_sharing_kv`), with each distinct
     prompt's KV put into `engine`'s prefix cache (room made for it), as the service's predictor
     hands it to the decoder. `seconds`: the predictor's time, spent inside the policy's run."""
 
@@ -225,19 +225,16 @@ class PredictOnArrival:
         self.seconds, self._held, self._bytes = 0.0, set(), 0
 
     def __call__(self, jobs: list[Job]) -> list[float]:
-        started, keys = self.predictor.seconds, []
-        for first in range(0, len(jobs), self.chunk):
-            _, expected, entries = self.predictor.estimate_with_kv([j.prompt_ids for j in jobs[first : first + self.chunk]])
-            keys += expected
-            for entry in entries:
-                if entry.token_ids not in self._held:
-                    self._held.add(entry.token_ids)
-                    self._bytes += entry.nbytes
-                    cache = self.engine.prefix_cache
-                    cache.max_bytes = max(cache.max_bytes, self._bytes)
-                    self.engine.import_prefix(entry)
-        self.seconds += self.predictor.seconds - started
-        return keys
+        _, expected, entries, seconds = predict_sharing_kv(self.predictor, [j.prompt_ids for j in jobs], self.chunk)
+        self.seconds += seconds
+        for entry in entries:
+            if entry.token_ids not in self._held:
+                self._held.add(entry.token_ids)
+                self._bytes += entry.nbytes
+                cache = self.engine.prefix_cache
+                cache.max_bytes = max(cache.max_bytes, self._bytes)
+                self.engine.import_prefix(entry)
+        return expected
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
