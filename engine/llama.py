@@ -131,22 +131,35 @@ class LlamaRunner:
         return self.max_slots
 
     @staticmethod
-    def _fuse(layer) -> _Layer:
+    def _fuse(layer, deltas: dict[str, torch.Tensor] | None = None) -> _Layer:
+        """The HF decoder layer's weights fused; `deltas` (projection name, e.g. "q_proj", to a tensor
+        shaped like its weight) are added first: a LoRA adapter merged into a copy of the layer."""
         attn, mlp = layer.self_attn, layer.mlp
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        deltas = deltas or {}
+
+        def weight(name: str, module) -> torch.Tensor:
+            base = module.weight.detach()
+            return base + deltas[name].to(base.dtype) if name in deltas else base
+
+        projections = (("q_proj", attn.q_proj), ("k_proj", attn.k_proj), ("v_proj", attn.v_proj))
         bias = None
         if attn.q_proj.bias is not None:
-            bias = torch.cat([p.bias.detach() for p in projections])
+            bias = torch.cat([p.bias.detach() for _, p in projections])
         return _Layer(
             attn_norm=layer.input_layernorm.weight.detach(),
-            qkv=Linear(torch.cat([p.weight.detach() for p in projections]), bias),
+            qkv=Linear(torch.cat([weight(n, p) for n, p in projections]), bias),
             q_norm=attn.q_norm.weight.detach() if hasattr(attn, "q_norm") else None,
             k_norm=attn.k_norm.weight.detach() if hasattr(attn, "k_norm") else None,
-            o=Linear(attn.o_proj.weight.detach()),
+            o=Linear(weight("o_proj", attn.o_proj)),
             mlp_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=Linear(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
-            down=Linear(mlp.down_proj.weight.detach()),
+            gate_up=Linear(torch.cat([weight("gate_proj", mlp.gate_proj), weight("up_proj", mlp.up_proj)])),
+            down=Linear(weight("down_proj", mlp.down_proj)),
         )
+
+    def fused_layer(self, index: int, hf_layer, deltas: dict[str, torch.Tensor]) -> _Layer:
+        """Layer `index` as this runner holds it, or, with `deltas`, a fused copy of `hf_layer`
+        (the same layer of the loaded model) with them added, for `run_layers`."""
+        return self._fuse(hf_layer, deltas) if deltas else self.layers[index]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
@@ -171,8 +184,8 @@ class LlamaRunner:
         gate, up = layer.gate_up(self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
         return layer.down.add_to(x, F.silu(gate) * up)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self._norm(x, self.final_norm)).float()
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.final_hidden(x)).float()
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, extend: list[PrefillItem] = ()) -> torch.Tensor:
@@ -218,19 +231,34 @@ class LlamaRunner:
         if extend:
             rows = list(range(batch)) + [r for it, (_, hi) in zip(extend, bounds) for r in range(hi - it.logit_rows, hi)]
             x = x[torch.tensor(rows, device=self.device)]
-        return self._logits(x)
+        return self.logits(x)
 
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
         """Run the new tokens of several sequences packed together; returns logits of each last token,
         then those of each item's `prefix_end` (in item order, for the items that ask)."""
+        x, bounds = self.run_layers(items, self.layers)
+        rows = [hi - 1 for _, hi in bounds]
+        rows += [lo + it.prefix_row() for it, (lo, _) in zip(items, bounds) if it.prefix_row() is not None]
+        return self.logits(x[torch.tensor(rows, device=self.device)])
+
+    @torch.inference_mode()
+    def run_layers(self, items: list[PrefillItem], layers: list[_Layer], x: torch.Tensor | None = None,
+                   first: int = 0) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The packed items' tokens through `layers`, which stand for the model's layers first,
+        first+1, ... (the model's own, or copies from `fused_layer`), from `x` [tokens, hidden] entering
+        layer `first` (default: the tokens' embeddings); each layer's KV of the tokens goes into their
+        slots. Returns the hidden states out of the last of them, and each item's row range. `prefill`
+        is this over all the model's layers; a caller can run layers in parts, with other weights for
+        some tokens (see predictor.predict.LeanPromptPass)."""
         tokens = torch.tensor([t for it in items for t in it.token_ids], device=self.device)
         positions = torch.cat([torch.arange(it.start, it.start + len(it.token_ids)) for it in items])
         positions = positions.to(self.device)
         bounds = _bounds(items)
         rope = self._rope(positions)
-        x = F.embedding(tokens, self.embed)
-        for i, layer in enumerate(self.layers):
+        if x is None:
+            x = F.embedding(tokens, self.embed)
+        for i, layer in enumerate(layers, start=first):
             q, k, v = self._qkv(layer, x, rope)
             out = torch.empty_like(q)
             for it, (lo, hi) in zip(items, bounds):
@@ -240,9 +268,11 @@ class LlamaRunner:
                 out[lo:hi] = self._prefill_attention(q[lo:hi], i, it.slot, it.start, end)
             x = layer.o.add_to(x, out.reshape(len(tokens), -1))
             x = self._mlp(layer, x)
-        rows = [hi - 1 for _, hi in bounds]
-        rows += [lo + it.prefix_row() for it, (lo, _) in zip(items, bounds) if it.prefix_row() is not None]
-        return self._logits(x[torch.tensor(rows, device=self.device)])
+        return x, bounds
+
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states out of the last layer after the final norm: what the LM head (or another head) reads."""
+        return self._norm(x, self.final_norm)
 
     def _prefill_attention(self, q: torch.Tensor, layer: int, slot: int, start: int, end: int):
         keys = self.k_cache[layer, slot, :, :end][None]

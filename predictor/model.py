@@ -232,8 +232,11 @@ class LengthRegressor(nn.Module):
         finally:
             for layer, (keys, values) in zip(layers, saved):
                 layer.keys, layer.values = keys, values
-        last = self.decoder.norm(hidden[:, -1])
-        return self.head(last.to(self.head.weight.dtype))
+        return self.head_output(self.decoder.norm(hidden[:, -1]))
+
+    def head_output(self, final: torch.Tensor) -> torch.Tensor:
+        """The head's raw output from the suffix's last final hidden states, after the final norm."""
+        return self.head(final.to(self.head.weight.dtype))
 
 
 def regressor_of(model: LengthRegressor | PeftModel) -> LengthRegressor:
@@ -252,6 +255,22 @@ def adapter_off(model: nn.Module) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.enable_adapters(True)
+
+
+@torch.no_grad()
+def lora_deltas(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """What the active LoRA adapter(s) add to each adapted projection of one decoder layer, by
+    projection name (e.g. "q_proj"): merged into a copy of the layer's weights, they give what the
+    adapted layer computes. Empty for a layer the adapter leaves alone."""
+    deltas = {}
+    for name, module in layer.named_modules():
+        if isinstance(module, BaseTunerLayer) and not module.disable_adapters:
+            short = name.rsplit(".", 1)[-1]
+            for adapter in module.active_adapters:
+                if adapter in getattr(module, "lora_A", {}):
+                    delta = module.get_delta_weight(adapter)
+                    deltas[short] = deltas[short] + delta if short in deltas else delta
+    return deltas
 
 
 @torch.no_grad()

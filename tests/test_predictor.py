@@ -243,18 +243,29 @@ def test_length_metrics():
         length_metrics([], [], [1])
 
 
-def test_the_hf_prompt_pass_gives_the_same_lengths_and_kv_as_the_lean_one(tiny_model, tiny_tokenizer, saved):
+def test_the_hf_passes_give_the_same_lengths_and_kv_as_the_lean_ones(tiny_model, tiny_tokenizer, saved):
     lean = predictor_on(tiny_model, tiny_tokenizer, saved, batch_size=3)
     hf = LengthPredictor(copy.deepcopy(tiny_model), tiny_tokenizer,
                          PredictorConfig(adapter=str(saved), batch_size=3, prompt_pass="hf"))
     assert hf.lean is None and lean.lean is not None
+    layers = len(tiny_model.model.layers)
+    assert lean.lean.first_adapted == layers - 1  # lora_layers=1: only the top layer's suffix copy differs
+    assert lean.lean.suffix_layers[: layers - 1] == lean.lean.runner.layers[: layers - 1]
+    assert lean.lean.suffix_layers[-1] is not lean.lean.runner.layers[-1]
     prompts = sequences(7, seed=8)
-    lengths, entries = lean.predict_with_kv(prompts)
-    hf_lengths, hf_entries = hf.predict_with_kv(prompts)
+    lengths, expected, entries = lean.estimate_with_kv(prompts)
+    hf_lengths, hf_expected, hf_entries = hf.estimate_with_kv(prompts)
     assert sum(abs(a - b) for a, b in zip(lengths, hf_lengths)) <= 1  # float rounding at most, on one
+    assert expected == pytest.approx(hf_expected, rel=1e-4)  # the suffix through merged LoRA copies
     for a, b in zip(entries, hf_entries):
         assert a.token_ids == b.token_ids
         assert torch.allclose(a.kv[0], b.kv[0], atol=1e-4) and torch.allclose(a.last_logits, b.last_logits, atol=1e-3)
+    # a suffix packed apart from its prompt (a later forward) reads the same KV: the same estimates
+    lean.lean.PACK_TOKENS = 4
+    assert lean.estimate_with_kv(prompts)[1] == pytest.approx(expected, rel=1e-5)
+    # and the adapter is what makes them: its suffix layers swapped for the plain ones, they change
+    lean.lean.suffix_layers = lean.lean.runner.layers
+    assert max(abs(a - b) for a, b in zip(lean.estimate_with_kv(prompts)[1], expected)) > 1.0
 
 
 def test_the_lean_prompt_pass_packs_prompts_and_refuses_what_it_cannot_hold(tiny_model, tiny_tokenizer, saved):
