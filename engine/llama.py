@@ -76,7 +76,7 @@ class PrefillItem:
         return self.prefix_end - 1 - self.start if self.start < self.prefix_end < end else None
 
 
-def _bounds(items, offset: int = 0) -> list[tuple[int, int]]:
+def row_ranges(items, offset: int = 0) -> list[tuple[int, int]]:
     """Row ranges of the items' tokens packed one after another, starting at row `offset`."""
     bounds = []
     for it in items:
@@ -202,7 +202,7 @@ class LlamaRunner:
             tokens = torch.cat([tokens, torch.tensor([t for it in extend for t in it.token_ids], device=self.device)])
             positions = torch.cat([positions, *(torch.arange(it.start, it.start + len(it.token_ids), device=self.device)
                                                 for it in extend)])
-        bounds = _bounds(extend, batch)
+        bounds = row_ranges(extend, batch)
         rope = self._rope(positions)
         group = self.num_heads // self.num_kv_heads
         x = F.embedding(tokens, self.embed)
@@ -254,7 +254,7 @@ class LlamaRunner:
         tokens = torch.tensor([t for it in items for t in it.token_ids], device=self.device)
         positions = torch.cat([torch.arange(it.start, it.start + len(it.token_ids)) for it in items])
         positions = positions.to(self.device)
-        bounds = _bounds(items)
+        bounds = row_ranges(items)
         rope = self._rope(positions)
         if x is None:
             x = F.embedding(tokens, self.embed)
