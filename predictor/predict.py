@@ -33,9 +33,12 @@ class PredictorConfig(BaseModel):
     batch_size: int = Field(16, ge=1, description="Prompts run through the model together.")
     prompt_pass: Literal["lean", "hf"] = Field(
         "lean", description="How prompts go through the plain model. lean: the decoder engine's own forward "
-        "(fused, prepacked weights, prompts packed without padding): 1.3x faster on the 2-core CPU, and the KV is "
-        "bit for bit what the decoder's prefill computes; it holds a second, fused copy of the weights. "
-        "hf: the Hugging Face modules (no extra copy).")
+        "(fused, prepacked weights, prompts packed without padding), the length question folded into the same "
+        "pass with the adapter merged into copies of the adapted layers: on the 2-core CPU the prompts go through "
+        "1.3x faster than hf's, the question takes a lone request from 0.49 s to 0.35 s, and the KV is bit for bit "
+        "what the decoder's prefill computes; it "
+        "holds a second, fused copy of the weights (and of the adapted layers). "
+        "hf: the Hugging Face modules and peft's LoRA layers (no extra copy).")
 
 
 class LengthPredictor:
