@@ -237,8 +237,8 @@ class LeanPromptPass:
             chosen = [k for k, flag in enumerate(is_suffix) if flag == suffixes]
             items = [pack[k] for k in chosen]
             rows = x[[r for k in chosen for r in range(*bounds[k])]]
-            for i in range(first, len(runner.layers)) if items else ():
-                rows, _ = runner.run_layers(items, [layers[i]], rows, i)
+            if items:
+                rows, _ = runner.run_layers(items, layers[first:], rows, first)
             parts[suffixes] = items, rows
         prompts, prompt_rows = parts[False]
         asked = {}  # slot: the row after its `keep` tokens, where this pass computed it
