@@ -39,7 +39,9 @@ in bench/results/schedule_in_turns.json.
 `--rate R` (with `--in-turns continuous,continuous+predicted`) has the requests arrive as a Poisson
 stream of R a second (seeded) instead of all at t=0, as a service meets them: each is predicted
 when it arrives, on its policy's clock, and waits among those that have arrived; latency counts
-from arrival. The binned policies keep the paper's offline setting.
+from arrival. `--load F` sets that rate to F times what continuous batching can answer on this box
+at the start (its speed probed), since the box's speed, and so what a fixed rate asks of it, moves by
+2x within a day. The binned policies keep the paper's offline setting.
 """
 from __future__ import annotations
 
@@ -244,6 +246,15 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
         times.append(now)
         now += rng.expovariate(rate)
     return times
+
+
+def capacity_per_s(box_tok_s: float, answer_tokens: list[int], prompt_tokens: list[int]) -> float:
+    """Requests a second that continuous batching answers on this box now, from its speed probe
+    (`box_speed`, tokens/s of a batch of 16): a request costs about its answer's decode steps and
+    its prompt's prefill, a prompt token about as much as an answer token. Calibrated on the kept
+    1,024-request burst: a probe of 98 tokens/s and 0.360 requests/s answered, 272 tokens a request,
+    against 183 + 88 for the workload's mean answer and prompt."""
+    return box_tok_s / (statistics.mean(answer_tokens) + statistics.mean(prompt_tokens))
 
 
 def policy_turns(jobs: list[Job], params: SamplingParams, edges: list[int]
@@ -457,10 +468,10 @@ def _chart(policies: dict, path: Path) -> None:
 
 
 def report_pair(pair: tuple[str, str], store: RunStore, measure: Callable[[], dict[str, PolicyRun]], n: int,
-                rate: float | None = None) -> dict:
+                rate: float | None = None, load: float | None = None) -> dict:
     """The pair's runs in turns, from the store or measured now (and kept); printed, and added to
-    bench/results/schedule_in_turns.json under the pair's name (and arrival rate) with the issue's
-    keys they allow."""
+    bench/results/schedule_in_turns.json under the pair's name (and arrival rate, and the load it was
+    set from) with the issue's keys they allow."""
     folder = store.pair_folder(pair)
     paths = {name: folder / f"{name.replace('+', '_')}.json" for name in pair}
     if all(path.exists() for path in paths.values()):
@@ -474,7 +485,8 @@ def report_pair(pair: tuple[str, str], store: RunStore, measure: Callable[[], di
     summaries = {name: summarize(run) for name, run in runs.items()}
     keys = issue_keys(summaries)
     first, second = pair
-    entry = rounded({"requests": n, "arrivals_per_s": rate, "policies": summaries, **keys,
+    entry = rounded({"requests": n, "arrivals_per_s": rate, **({} if load is None else {"load": load}),
+                     "policies": summaries, **keys,
                      "samples_per_s_ratio": summaries[second]["samples_per_s"] / summaries[first]["samples_per_s"],
                      "latency_mean_ratio": summaries[second]["latency_mean_s"] / summaries[first]["latency_mean_s"],
                      "same_answers": statistics.mean(runs[first].answers[k] == runs[second].answers.get(k)
@@ -482,7 +494,8 @@ def report_pair(pair: tuple[str, str], store: RunStore, measure: Callable[[], di
                      "machine": machine()})
     path = RESULTS / "schedule_in_turns.json"
     kept = json.loads(path.read_text()) if path.exists() else {}
-    kept[" + ".join(pair) + ("" if rate is None else f" at {rate:g}/s")] = entry
+    kept[" + ".join(pair) + ("" if rate is None else f" at {rate:g}/s")
+         + ("" if load is None else f" (load {load:g})")] = entry
     path.write_text(json.dumps(kept, indent=1) + "\n")
     print(policy_table(summaries))
     print(f"{second} over {first}, served in turns: samples/s x{entry['samples_per_s_ratio']:.3f}, mean latency "
@@ -509,6 +522,10 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--rate", type=float, default=None, metavar="R",
                         help="with --in-turns continuous,continuous+predicted: requests arrive as a Poisson stream "
                         "of R a second (seeded by --seed) instead of all at t=0, each predicted when it arrives")
+    parser.add_argument("--load", type=float, default=None, metavar="F",
+                        help="as --rate, the rate set to F times what continuous batching can answer on this box "
+                        "now, from a speed probe at the start (capacity_per_s): a fixed rate is no fixed load on "
+                        "a machine whose speed moves; the rate used is printed and kept")
     parser.add_argument("--store", type=Path, default=RESULTS / "schedule_runs",
                         help="folder of finished policy runs, per workload (reused when the workload is the same)")
     args = parser.parse_args(argv)
@@ -521,11 +538,13 @@ def run(argv: list[str]) -> dict:
             check_pair(pair)
         except ValueError as error:
             raise SystemExit(f"--in-turns: {error}") from None
-    if args.rate is not None and (args.rate <= 0 or pair is None
-                                  or any(not name.startswith("continuous") for name in pair)):
-        raise SystemExit("--rate: a positive number of requests a second, with --in-turns of the continuous "
-                         "policies (e.g. --in-turns continuous,continuous+predicted --rate 0.35); the binned "
-                         "policies serve the paper's offline setting, every request at t=0")
+    if args.rate is not None and args.load is not None:
+        raise SystemExit("--load: sets the rate from the box's speed; give it or --rate, not both")
+    for option, value in (("--rate", args.rate), ("--load", args.load)):
+        if value is not None and (value <= 0 or pair is None or any(not name.startswith("continuous") for name in pair)):
+            raise SystemExit(f"{option}: a positive number, with --in-turns of the continuous policies (e.g. --in-turns "
+                             f"continuous,continuous+predicted {option} {0.35 if option == '--rate' else 1}); the "
+                             "binned policies serve the paper's offline setting, every request at t=0")
     if not (args.adapter / "settings.json").exists():
         raise SystemExit(f"--adapter: no trained length adapter in {args.adapter}; train one with "
                          f"python -m predictor.train, or pass --adapter FOLDER")
@@ -547,12 +566,19 @@ def run(argv: list[str]) -> dict:
         "max_prefill_tokens": VBS_MAX_BATCH * (max(map(len, ids)) + max_tokens)}))
     for engine in (continuous, static):  # first calls allocate and pick kernels
         engine.generate([GenerationRequest(prompt_ids=ids[0], params=SamplingParams(max_tokens=4))])
+    if args.load is not None:
+        probed = box_speed(continuous, ids[0])
+        capacity = capacity_per_s(probed, [r["label"] for r in chosen], list(map(len, ids)))
+        args.rate = float(f"{args.load * capacity:.3g}")
+        print(f"box speed {probed:.0f} tok/s: continuous batching answers about {capacity:.3f} requests/s; "
+              f"load {args.load:g} -> --rate {args.rate:g}", flush=True)
 
     store = RunStore(args.store, {
         "n": n, "seed": args.seed, "rows": [r["id"] for r in chosen], "labels": [r["label"] for r in chosen],
         "model": config.model, "max_tokens": max_tokens, "edges": EDGES,
         "vanilla_batch": VANILLA_BATCH, "vbs_max_batch": VBS_MAX_BATCH,
-        **({} if args.rate is None else {"rate": args.rate})},  # a burst's runs keep the folder they had
+        **({} if args.rate is None else {"rate": args.rate}),  # a burst's runs keep the folder they had
+        **({} if args.load is None else {"load": args.load})},
         predictor=PREDICTION + hashlib.sha256(b"".join(f.read_bytes() for f in sorted(args.adapter.iterdir())
                                                         if f.is_file())).hexdigest())
     saved, prompt_kv = store.predictions, None
@@ -591,7 +617,7 @@ def run(argv: list[str]) -> dict:
 
         return report_pair(pair, store, lambda: run_pair_in_turns(pair, engine_for, jobs, params, EDGES, predicting,
                                                                    probe=continuous, predictor=predictor), n,
-                           args.rate)
+                           args.rate, args.load)
     runs = run_policies(static, continuous, jobs, params, EDGES, prediction_s, store=store, only=only,
                         prompt_kv=prompt_kv)
     missing = [name for name in POLICIES if name not in runs]

@@ -555,3 +555,35 @@ def test_a_pair_arriving_over_time_predicts_on_arrival_and_answers_as_in_a_burst
 def test_a_rate_needs_the_continuous_pair_and_must_be_positive(argv):
     with pytest.raises(SystemExit, match="--rate"):
         run(argv)
+
+
+@pytest.mark.parametrize("argv", [["--load", "1"], ["--load", "-1", "--in-turns", "continuous,continuous+predicted"],
+                                  ["--load", "1", "--in-turns", f"vanilla,{HEADLINE}"],
+                                  ["--load", "1", "--rate", "0.3", "--in-turns", "continuous,continuous+predicted"]])
+def test_a_load_needs_the_continuous_pair_must_be_positive_and_excludes_a_rate(argv):
+    with pytest.raises(SystemExit, match="--load"):
+        run(argv)
+
+
+def test_capacity_is_the_probed_speed_over_a_requests_answer_and_prompt_tokens():
+    from bench.schedule_bench import capacity_per_s
+
+    # the calibration it states: the kept burst's probe and mean lengths give the rate it answered
+    assert capacity_per_s(98.0, [183] * 4, [88] * 4) == pytest.approx(0.360, abs=0.002)
+    assert capacity_per_s(196.0, [100, 300], [50, 150]) == pytest.approx(2 * capacity_per_s(98.0, [200], [100]))
+
+
+def test_a_pair_at_a_load_is_kept_under_its_rate_and_load(workload, tmp_path, monkeypatch):
+    import json
+
+    import bench.schedule_bench as schedule_bench
+    from bench.schedule_bench import RunStore, report_pair
+
+    jobs, _, runs = workload
+    monkeypatch.setattr(schedule_bench, "RESULTS", tmp_path)
+    pair = ("continuous", "continuous+predicted")
+    store = RunStore(tmp_path / "runs", {"n": len(jobs), "rate": 0.412, "load": 1.0}, predictor="adapter")
+    entry = report_pair(pair, store, lambda: {name: runs[name] for name in pair}, len(jobs), 0.412, 1.0)
+    assert entry["arrivals_per_s"] == 0.412 and entry["load"] == 1.0
+    kept = json.loads((tmp_path / "schedule_in_turns.json").read_text())
+    assert list(kept) == ["continuous + continuous+predicted at 0.412/s (load 1)"]
