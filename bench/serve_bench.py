@@ -337,7 +337,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=None, help="runs per rate and system (default 2, --quick 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     parser.add_argument("--predictor", action="store_true", help="serve with the length predictor of local.yaml")
-    parser.add_argument("--routing-priority", choices=["normal", "batch", "idle"], default=None,
+    parser.add_argument("--routing-priority", choices=["normal", "idle"], default=None,
                         help="CPU class of the routing replicas (the config's routing_priority; default: local.yaml's)")
     parser.add_argument("--write-subset", action="store_true", help=f"rewrite data/{DATA_FILE} from {SOURCE} and stop")
     return parser

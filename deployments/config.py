@@ -35,12 +35,11 @@ class AppConfig(BaseModel):
                                               description="The shared context cache of plans and prefix KV.")
     routing_priority: RoutingPriority = Field(
         "normal",
-        description="CPU scheduling of the replicas that only route (ingress, planner, batcher, context cache), "
-        "for CPU hosts (deployments.cpu_priority): `batch` puts their threads in Linux's SCHED_BATCH class, so a "
-        "wake-up of theirs never pre-empts a decoder's torch thread mid-matmul while they keep their CPU share; "
-        "`idle` (SCHED_IDLE) runs them only on what the decoders leave, only for one CPU decoder that leaves a "
-        "core partly free, since decoders that fill every core (autoscaled, one per core) starve them; `normal` "
-        "(default) leaves them as Ray starts them.")
+        description="CPU scheduling of the replicas that only route (ingress, planner, batcher, context cache): "
+        "`idle` puts their threads in Linux's SCHED_IDLE class, so on a CPU host they run on what the decoders "
+        "leave and never pre-empt a decoder's torch threads (deployments.cpu_priority): only for one CPU decoder "
+        "that leaves a core partly free, since decoders that fill every core (autoscaled, one per core) starve "
+        "them; `normal` (default) leaves them as Ray starts them.")
     api_key: str | None = Field(
         None,
         min_length=1,

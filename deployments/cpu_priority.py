@@ -2,41 +2,33 @@
 
 On a CPU host their short wake-ups (a streamed token passed on, a micro-batch sent) pre-empt one of
 the decoder's torch threads mid-matmul, and its other thread then waits at the operation's end: a
-small share of CPU taken costs the decoder more than that share. A process may move its own threads
-to a lower class without privileges:
+small share of CPU taken costs the decoder more than that share. Linux's SCHED_IDLE class runs a
+thread only on a core no normal thread wants and never lets it pre-empt one; the decoder's own loop
+leaves a core partly free between matmuls (its Python is single-threaded), which is when they run.
+A process may lower its own threads' class without privileges. On a GPU host the decode runs off the
+CPU and this changes nothing that matters.
 
-- `batch` (Linux's SCHED_BATCH): same CPU share as before (their niceness still weighs them), but a
-  waking thread never pre-empts a running one; it runs when a core frees up or at the next scheduler
-  tick (a few ms later at most). So the decoders are not cut mid-matmul, and the routing replicas
-  still get their share when decoders fill every core (autoscaled, one per core, as
-  cluster/local.yaml allows).
-- `idle` (SCHED_IDLE): runs only on a core no normal thread wants. Only for one CPU decoder that
-  leaves a core partly free (its Python between matmuls is single-threaded): where decoders keep
-  every core busy, an idle-class thread gets almost no CPU and the batcher that feeds them stalls.
-
-`bench serve --routing-priority` measures them (README). On a GPU host the decode runs off the CPU
-and this changes nothing that matters.
+Only for one CPU decoder that leaves a core partly free: where decoders keep every core busy (one per
+core, autoscaled, as cluster/local.yaml allows) an idle-class thread gets almost no CPU, and the
+batcher that feeds them stalls. So no config here sets it; `bench serve` measured it (README).
 """
 from __future__ import annotations
 
 import os
 from typing import Literal
 
-RoutingPriority = Literal["normal", "batch", "idle"]
-_POLICY_NAMES = {"batch": "SCHED_BATCH", "idle": "SCHED_IDLE"}
+RoutingPriority = Literal["normal", "idle"]
 
 
 def lower_routing_priority(priority: RoutingPriority) -> int:
-    """Put every thread of this process (and so the threads it starts later) in SCHED_BATCH or
-    SCHED_IDLE as `priority` says; returns how many threads it moved (0 for `normal`, or where the
-    platform lacks the class)."""
-    policy = getattr(os, _POLICY_NAMES.get(priority, ""), None) if priority != "normal" else None
-    if policy is None:
+    """Put every thread of this process (and so the threads it starts later) in SCHED_IDLE when
+    `priority` is `idle`; returns how many threads it moved (0 where the platform lacks the class)."""
+    if priority == "normal" or not hasattr(os, "SCHED_IDLE"):
         return 0
     moved = 0
     for tid in _thread_ids():
         try:
-            os.sched_setscheduler(tid, policy, os.sched_param(0))
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             moved += 1
         except ProcessLookupError:  # a thread that ended meanwhile
             continue

@@ -179,16 +179,15 @@ def test_serve_configs_run_throughput_optimized_replicas_behind_the_proxy(name):
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"  # on, no proxy would serve http_options' port
 
 
-@pytest.mark.parametrize("class_", ["batch", "idle"])
-def test_routing_priority_reaches_every_routing_replica_and_never_the_decoders(class_):
+def test_routing_priority_reaches_every_routing_replica_and_never_the_decoders():
     from deployments.app import build_app
 
-    args = {**_load("local.yaml")["applications"][0]["args"], "predictor": None, "routing_priority": class_}
+    args = {**_load("local.yaml")["applications"][0]["args"], "predictor": None, "routing_priority": "idle"}
     priority = {}
 
     def walk(app):
         bound = app._bound_deployment
-        given = [a for a in bound.init_args if a in ("idle", "batch", "normal")]
+        given = [a for a in bound.init_args if a in ("idle", "normal")]
         config = next((a for a in bound.init_args if isinstance(a, dict) and "routing_priority" in a), None)
         priority[bound.name] = given[0] if given else (config or {}).get("routing_priority")
         for child in bound.init_args:
@@ -196,7 +195,7 @@ def test_routing_priority_reaches_every_routing_replica_and_never_the_decoders(c
                 walk(child)
 
     walk(build_app(args))
-    assert priority == {"Ingress": class_, "Planner": class_, "Batcher": class_, "ContextCacheDeployment": class_,
+    assert priority == {"Ingress": "idle", "Planner": "idle", "Batcher": "idle", "ContextCacheDeployment": "idle",
                         "Decoder": None}
     for name in ("local.yaml", "gpu.yaml"):  # autoscaled decoders can fill every core: idle would starve routing
         assert load_app_config(_load(name)["applications"][0]["args"]).routing_priority == "normal"

@@ -1,5 +1,5 @@
-"""The routing replicas' CPU class: every thread of the process moves to SCHED_BATCH or SCHED_IDLE,
-and threads it starts later inherit it; `normal` changes nothing. Run in a child process, since a thread cannot
+"""The routing replicas' CPU class: every thread of the process moves to SCHED_IDLE, and threads it
+starts later inherit it; `normal` changes nothing. Run in a child process, since a thread cannot
 leave SCHED_IDLE again without privileges."""
 from __future__ import annotations
 
@@ -34,13 +34,6 @@ def test_idle_moves_every_thread_and_later_threads_inherit_it():
     got = _child("idle")
     assert got["moved"] >= 2 and got["threads"] >= 3
     assert got["classes"] == [os.SCHED_IDLE] * got["threads"]
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes only")
-def test_batch_moves_every_thread_and_later_threads_inherit_it():
-    got = _child("batch")
-    assert got["moved"] >= 2 and got["threads"] >= 3
-    assert got["classes"] == [os.SCHED_BATCH] * got["threads"]
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes only")
