@@ -577,8 +577,7 @@ def run(argv: list[str]) -> dict:
         "n": n, "seed": args.seed, "rows": [r["id"] for r in chosen], "labels": [r["label"] for r in chosen],
         "model": config.model, "max_tokens": max_tokens, "edges": EDGES,
         "vanilla_batch": VANILLA_BATCH, "vbs_max_batch": VBS_MAX_BATCH,
-        **({} if args.rate is None else {"rate": args.rate}),  # a burst's runs keep the folder they had
-        **({} if args.load is None else {"load": args.load})},
+        **({} if args.rate is None else {"rate": args.rate})},  # a burst's runs keep the folder they had
         predictor=PREDICTION + hashlib.sha256(b"".join(f.read_bytes() for f in sorted(args.adapter.iterdir())
                                                         if f.is_file())).hexdigest())
     saved, prompt_kv = store.predictions, None

@@ -582,7 +582,7 @@ def test_a_pair_at_a_load_is_kept_under_its_rate_and_load(workload, tmp_path, mo
     jobs, _, runs = workload
     monkeypatch.setattr(schedule_bench, "RESULTS", tmp_path)
     pair = ("continuous", "continuous+predicted")
-    store = RunStore(tmp_path / "runs", {"n": len(jobs), "rate": 0.412, "load": 1.0}, predictor="adapter")
+    store = RunStore(tmp_path / "runs", {"n": len(jobs), "rate": 0.412}, predictor="adapter")
     entry = report_pair(pair, store, lambda: {name: runs[name] for name in pair}, len(jobs), 0.412, 1.0)
     assert entry["arrivals_per_s"] == 0.412 and entry["load"] == 1.0
     kept = json.loads((tmp_path / "schedule_in_turns.json").read_text())
