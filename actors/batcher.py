@@ -48,6 +48,11 @@ class DispatchConfig(BaseModel):
         "those that arrived meanwhile as one event (as Ray Serve LLM batches streamed tokens, 50 ms by "
         "default), so a fast engine does not pay one message per token on every hop to the client. "
         "0: every engine step's token is sent on its own.")
+    max_stream_messages_per_s: float | None = Field(
+        None, gt=0, description="At most about this many streamed messages a second across all the answers "
+        "streaming at once: with N streaming, each gathers its tokens for N / this seconds when that is longer "
+        "than stream_interval_s. For a CPU host, where every message on every hop (batcher, ingress, proxy, "
+        "client) takes CPU from the decoders; None: no cap (GPU hosts).")
 
 
 class RequestFailed(RuntimeError):
@@ -88,6 +93,7 @@ class BatcherActor:
         self._send_batch, self._predict = send_batch, predict
         self._waiters: dict[str, asyncio.Future] = {}
         self._listeners: dict[str, asyncio.Queue] = {}
+        self._streaming: set[str] = set()  # streamed requests that have sent their first token
         self._progress: dict[str, list[int]] = {}  # tokens each request holds so far in its current attempt
         self._predicted: dict[str, int | None] = {}
         self.observer = observer
@@ -116,16 +122,17 @@ class BatcherActor:
         listener: asyncio.Queue = asyncio.Queue()
         self._listeners[parsed.id] = listener
         waiter = self._enqueue(parsed)
-        interval, sent = self.dispatch.stream_interval_s, False
+        sent = False
         try:
             while True:
                 getter = asyncio.ensure_future(listener.get())
                 await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 if getter.done():
-                    if sent and interval:  # the first token goes at once; later ones gather
+                    if sent and (interval := self._stream_interval()):  # the first token goes at once
                         await asyncio.wait({waiter}, timeout=interval)
                     yield {"event": _merged([getter.result(), *_drain(listener)])}
                     sent = True
+                    self._streaming.add(parsed.id)
                     continue
                 getter.cancel()
                 if not listener.empty():
@@ -134,7 +141,14 @@ class BatcherActor:
                 return
         finally:
             self._listeners.pop(parsed.id, None)
+            self._streaming.discard(parsed.id)
             self._waiters.pop(parsed.id, None)
+
+    def _stream_interval(self) -> float:
+        """How long a streamed answer gathers tokens before its next message (see DispatchConfig)."""
+        cap = self.dispatch.max_stream_messages_per_s
+        shared = len(self._streaming) / cap if cap else 0.0  # answers still queued send nothing: not counted
+        return max(self.dispatch.stream_interval_s, shared)
 
     def _enqueue(self, request: GenerationRequest) -> asyncio.Future:
         self.core.submit(request, time.monotonic())

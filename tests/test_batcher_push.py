@@ -263,3 +263,38 @@ def test_streamed_tokens_after_the_first_are_gathered_per_interval(interval):
         assert len(events) <= 10  # about five engine steps per message
     else:
         assert len(events) == 20
+
+
+class BatchStepDecoder:
+    """Every request of the batch gets a token each 10 ms step, 20 steps, like a running engine batch."""
+
+    async def __call__(self, batch: dict):
+        ids = [r["id"] for r in batch["requests"]]
+        for token in range(20):
+            await asyncio.sleep(0.01)
+            yield [{"event": {"request_id": rid, "token_ids": [token], "text": f"<{token}>"}} for rid in ids]
+        yield [{"result": {"request_id": rid, "prompt_tokens": 2, "token_ids": list(range(20)), "text": "",
+                           "finish_reason": "stop", "ttft_s": 0.0, "latency_s": 0.0}} for rid in ids]
+
+
+@pytest.mark.parametrize("cap", [None, 40.0])
+def test_a_message_cap_stretches_each_streams_interval_by_how_many_stream(cap):
+    async def main(ids):
+        actor = BatcherActor({"bins": {"edges": [64]}}, send_batch=BatchStepDecoder(),
+                             dispatch={"stream_interval_s": 0.0, "max_stream_messages_per_s": cap})
+
+        async def one(rid):
+            return [item async for item in actor.stream(request(rid))]
+
+        return await asyncio.gather(*(one(rid) for rid in ids))
+
+    streams = run(main(["a", "b", "c", "d"]))
+    events = [[i["event"] for i in items if "event" in i] for items in streams]
+    for per_stream in events:  # gathered or not, every token arrives once, in order
+        assert [t for e in per_stream for t in e["token_ids"]] == list(range(20))
+        assert per_stream[0]["token_ids"] == [0]
+    counts = [len(e) for e in events]
+    if cap is None:
+        assert counts == [20] * 4
+    else:  # four streaming at 40 messages/s: a message per stream each 0.1 s over 0.2 s of tokens
+        assert all(n <= 8 for n in counts), counts

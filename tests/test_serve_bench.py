@@ -1,5 +1,5 @@
 """The serving benchmark's parts, without Ray or the real model: Poisson arrivals, the summary math,
-reading a streamed chat completion (over a mock HTTP transport too), the in-process runner on the tiny
+reading a streamed chat completion (from a local HTTP server too), the in-process runner on the tiny
 model, alternating repeats, and the committed prompt subset."""
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 import os
 import statistics
 
-import httpx
 import pytest
 
 from bench.common import DATA, load_jsonl
@@ -22,6 +21,7 @@ from bench.serve_bench import (
     drive,
     engine_time,
     http_request,
+    http_session,
     in_process_request,
     measure,
     percentile,
@@ -103,20 +103,48 @@ def test_sse_without_usage_or_with_an_error_is_an_error():
 
 
 def test_http_request_streams_and_reports_refusals():
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
+    from aiohttp import web
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
         assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["temperature"] == 0
         if body["messages"][0]["content"] == "busy":
-            return httpx.Response(503, json={"error": {"message": "server overloaded"}})
-        return httpx.Response(200, text="\n".join(STREAM) + "\n", headers={"content-type": "text/event-stream"})
+            return web.json_response({"error": {"message": "server overloaded"}}, status=503)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for line in STREAM:  # a chunk at a time, as a server streams them
+            await response.write((line + "\n").encode())
+        return response
 
-    async def ask(prompt):
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://bench") as client:
-            return await http_request(client, prompt, max_tokens=8)
+    async def ask(*prompts):
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with http_session(f"http://127.0.0.1:{port}") as session:
+                return [await http_request(session, prompt, max_tokens=8) for prompt in prompts]
+        finally:
+            await runner.cleanup()
 
-    answered, refused = run(ask("hi")), run(ask("busy"))
+    answered, refused = run(ask("hi", "busy"))
     assert answered.error is None and answered.tokens == 3 and 0 <= answered.ttft_s <= answered.latency_s
     assert refused.tokens == 0 and refused.error.startswith("HTTP 503") and "overloaded" in refused.error
+    closed = run(ask_closed_port())
+    assert closed.tokens == 0 and closed.error.startswith("ClientConnectorError")
+
+
+async def ask_closed_port():
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with http_session(f"http://127.0.0.1:{port}") as session:
+        return await http_request(session, "hi", max_tokens=8)
 
 
 def test_in_process_runner_streams_every_request_on_the_tiny_model(make_engine):
