@@ -123,7 +123,7 @@ def test_http_request_streams_and_reports_refusals():
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        port = runner.addresses[0][1]
         try:
             async with http_session(f"http://127.0.0.1:{port}") as session:
                 return [await http_request(session, prompt, max_tokens=8) for prompt in prompts]
