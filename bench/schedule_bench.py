@@ -37,9 +37,10 @@ predictions: their ratio is then free of the machine's drift. Those pairs are ke
 in bench/results/schedule_in_turns.json.
 
 `--rate R` (with `--in-turns continuous,continuous+predicted`) has the requests arrive as a Poisson
-stream of R a second (seeded) instead of all at t=0, as a service meets them: each is predicted
-when it arrives, on its policy's clock, and waits among those that have arrived; latency counts
-from arrival. `--load F` sets that rate to F times what continuous batching can answer on this box
+stream of R a second (seeded) instead of all at t=0, as a service meets them: those that arrive
+to a queue (not all of them find a free slot with nobody waiting) are predicted when they arrive, on
+their policy's clock, and wait among those that have arrived; the others start at once, unpredicted.
+Latency counts from arrival. `--load F` sets that rate to F times what continuous batching can answer on this box
 at the start (its speed probed), since the box's speed, and so what a fixed rate asks of it, moves by
 2x within a day. The binned policies keep the paper's offline setting.
 """
@@ -125,6 +126,9 @@ POLICIES = tuple(LENGTHS_READ)
 # how predictions are made and read, part of their runs' folder name (runs kept before the lean prompt
 # pass are under the first string alone, before the expected length under the first two)
 PREDICTION = "prompt KV shared with the decoder:lean prompt pass:expected length orders continuous:"
+# the stream's predicted policy asks the predictor only for arrivals that cannot all start at once
+# (bench.schedule_policies.continuous_turns); part of a stream's signature and of its pair's name
+PREDICTS_A_QUEUE = "only arrivals that queue"
 PREDICTED = tuple(name for name, read in LENGTHS_READ.items() if read in ("predicted", "expected"))
 
 
@@ -218,7 +222,7 @@ def holding(engine: LLMEngine, entries: list[PrefixEntry] | None):
 
 class PredictOnArrival:
     """`predict(jobs)` for a policy whose requests arrive over time: the expected lengths of the jobs
-    that just arrived, from the predictor's pass over their prompts (`predict_sharing_kv`), with each distinct
+    that just arrived to a queue, from the predictor's pass over their prompts (`predict_sharing_kv`), with each distinct
     prompt's KV put into `engine`'s prefix cache (room made for it), as the service's predictor
     hands it to the decoder. `seconds`: the predictor's time, spent inside the policy's run."""
 
@@ -329,7 +333,7 @@ def run_pair_in_turns(pair: tuple[str, str], engine_for: Callable[[str], LLMEngi
     machine's drift hits both alike. A policy that reads predictions first runs `predicting` (a
     `prediction_turns`), a chunk a turn on its own clock, and counts that as its `prediction_s`;
     its engine then holds the predictor's prompt KV while it runs. Jobs that arrive over time
-    (`Job.arrival_s`) are predicted as they arrive instead, by `predictor` (`PredictOnArrival`), and
+    (`Job.arrival_s`) are predicted as they arrive to a queue instead, by `predictor` (`PredictOnArrival`), and
     that time is `prediction_in_run_s`. With `probe`, both runs record the box speed before and after
     the pair."""
     check_pair(pair)
@@ -495,7 +499,8 @@ def report_pair(pair: tuple[str, str], store: RunStore, measure: Callable[[], di
     path = RESULTS / "schedule_in_turns.json"
     kept = json.loads(path.read_text()) if path.exists() else {}
     kept[" + ".join(pair) + ("" if rate is None else f" at {rate:g}/s")
-         + ("" if load is None else f" (load {load:g})")] = entry
+         + ("" if load is None else f" (load {load:g})")
+         + ("" if rate is None or not set(pair) & set(PREDICTED) else f", predicting {PREDICTS_A_QUEUE}")] = entry
     path.write_text(json.dumps(kept, indent=1) + "\n")
     print(policy_table(summaries))
     print(f"{second} over {first}, served in turns: samples/s x{entry['samples_per_s_ratio']:.3f}, mean latency "
@@ -577,7 +582,8 @@ def run(argv: list[str]) -> dict:
         "n": n, "seed": args.seed, "rows": [r["id"] for r in chosen], "labels": [r["label"] for r in chosen],
         "model": config.model, "max_tokens": max_tokens, "edges": EDGES,
         "vanilla_batch": VANILLA_BATCH, "vbs_max_batch": VBS_MAX_BATCH,
-        **({} if args.rate is None else {"rate": args.rate})},  # a burst's runs keep the folder they had
+        # a burst's runs keep the folder they had; a stream's before PREDICTS_A_QUEUE predicted every arrival
+        **({} if args.rate is None else {"rate": args.rate, "predicts": PREDICTS_A_QUEUE})},
         predictor=PREDICTION + hashlib.sha256(b"".join(f.read_bytes() for f in sorted(args.adapter.iterdir())
                                                         if f.is_file())).hexdigest())
     saved, prompt_kv = store.predictions, None

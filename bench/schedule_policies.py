@@ -199,9 +199,12 @@ def continuous_turns(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
     """Every job added to the engine when it arrives on the policy's clock (`Job.arrival_s`; equal
     times in the jobs' order) and served by its continuous batching into `run`; yields every
     `steps_per_turn` steps. The shortest waiting job is admitted first by `lengths`, known up front,
-    or by what `predict(the jobs just arrived)` returns for them, its time spent on this clock, as a
-    service predicts each request when it arrives; equal ones in arrival order. With nothing to
-    decode and more jobs to come, the clock skips to the next arrival."""
+    or by what `predict(the jobs just arrived)` returns for them, its time spent on this clock; equal
+    ones in arrival order. `predict` is asked only when the jobs just arrived will not all find a
+    free slot with nobody waiting: a job that can start at once has nothing to be ordered against, and
+    predicting it would only stall the answers in flight (on a stream this box keeps up with, that was
+    all the prediction did). With nothing to decode and more jobs to come, the clock skips to the
+    next arrival."""
     prefilled = engine.stats()["prefill_tokens"]
     started = clock()
     members, arrival = {}, {job.id: job.arrival_s for job in jobs}
@@ -213,7 +216,9 @@ def continuous_turns(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
         arrived = []
         while coming and jobs[coming[0]].arrival_s <= clock() - started:
             arrived.append(coming.popleft())
-        keys = predict([jobs[i] for i in arrived]) if predict is not None and arrived else None
+        keys = None
+        if predict is not None and arrived and len(arrived) > _room(engine):
+            keys = predict([jobs[i] for i in arrived])
         for n, i in enumerate(arrived):
             # the engine's priority is an int: a predicted key counts to a thousandth of a token
             priority = -rank.get(i, 0) if keys is None else -round(keys[n] * 1000)
@@ -239,6 +244,12 @@ def continuous_turns(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
     run.wall_s = clock() - started
     run.decode_tokens = sum(m.sampled for m in members.values())
     run.prefill_tokens = engine.stats()["prefill_tokens"] - prefilled
+
+
+def _room(engine: LLMEngine) -> int:
+    """Requests the engine would start at its next step beside those waiting: free slots less the queue."""
+    stats = engine.stats()
+    return engine.config.max_batch_size - stats["running"] - stats["waiting"]
 
 
 def run_continuous(engine: LLMEngine, jobs: list[Job], params: SamplingParams,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,23 +62,35 @@ def arriving_latencies(answer_lengths: Sequence[int], prompt_lengths: Sequence[i
                        key: Sequence[float] | None = None, predict_s: Sequence[float] | None = None,
                        slots: int = SLOTS, step_s: float = 1.0, prefill_s: float = 0.0) -> list[float]:
     """Each request's latency from its arrival, the machine doing one thing at a time. Without `key`:
-    admitted in arrival order, its prompt prefilled on admission (`prefill_s` a token). With `key`: each
-    request is predicted as it arrives (`predict_s[i]`, its prompt's KV made then), and the smallest key
-    among those arrived is admitted first, with nothing to prefill. Idle until the next arrival when
-    nothing is there to decode."""
+    admitted in arrival order, its prompt prefilled on admission (`prefill_s` a token). With `key`, as
+    `continuous+predicted` does (bench.schedule_policies.continuous_turns): requests that arrive to a
+    queue (not all of them find a free slot with nobody waiting) are predicted as they arrive
+    (`predict_s[i]`, their prompts' KV made then) and the smallest key among those waiting is admitted
+    first, with nothing to prefill; the others start at once, unpredicted, and are prefilled. Idle until
+    the next arrival when nothing is there to decode."""
     coming = sorted(range(len(answer_lengths)), key=lambda i: arrivals[i])
     waiting: list[tuple[float, int]] = []
+    prefilled = set(range(len(answer_lengths))) if key is None else set()
     now, running, finished, next_in = 0.0, {}, [0.0] * len(answer_lengths), 0
     while next_in < len(coming) or waiting or running:
+        arrived = []
         while next_in < len(coming) and arrivals[coming[next_in]] <= now:
-            i = coming[next_in]
+            arrived.append(coming[next_in])
             next_in += 1
-            if key is not None:
+        if key is None:
+            for i in arrived:
+                heapq.heappush(waiting, (arrivals[i], i))
+        elif len(arrived) > slots - len(running) - len(waiting):
+            for i in arrived:
                 now += predict_s[i] if predict_s is not None else 0.0
-            heapq.heappush(waiting, ((arrivals[i], i) if key is None else (key[i], i)))
+                heapq.heappush(waiting, (key[i], i))
+        else:  # they all start now: nothing to order them against
+            prefilled.update(arrived)
+            for i in arrived:
+                heapq.heappush(waiting, (-math.inf, i))
         while len(running) < slots and waiting:
             _, i = heapq.heappop(waiting)
-            now += 0.0 if key is not None else prompt_lengths[i] * prefill_s
+            now += prompt_lengths[i] * prefill_s if i in prefilled else 0.0
             running[i] = answer_lengths[i]
         if not running:
             now = max(now, arrivals[coming[next_in]])

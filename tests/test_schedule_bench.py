@@ -492,6 +492,50 @@ def test_requests_predicted_on_arrival_go_shortest_first_among_those_that_have_a
     assert all(run_.answers[j.id] == reference[j.id].token_ids for j in arriving)
 
 
+def test_a_request_that_can_start_at_once_is_not_predicted_and_one_that_queues_is(
+        tiny_model, tiny_tokenizer, workload):
+    from bench.schedule_policies import continuous_turns
+
+    jobs, reference, _ = workload
+    calls = []
+
+    def predict(arrived):
+        calls.append([j.id for j in arrived])
+        return [float(len(calls))] * len(arrived)
+
+    roomy = _arriving(jobs[:8])  # four at t=0, four 1,000 s later, on 16 slots: never a queue
+    run_ = PolicyRun()
+    drain(continuous_turns(engine(tiny_model, tiny_tokenizer, max_batch_size=16), roomy, PARAMS, None, run_,
+                           running_clock(), predict=predict))
+    assert calls == [] and run_.prefill_tokens == sum(len(j.prompt_ids) for j in roomy)  # the engine prefilled all
+    assert all(run_.answers[j.id] == reference[j.id].token_ids for j in roomy)
+
+    # two slots, a clock that moves a second a step: three at t=0 (one must wait), a fourth at 0.5 s,
+    # when both slots are still busy (answers of several tokens) and the third still waits
+    calls.clear()
+    long_ones = [j for j in jobs if len(reference[j.id].token_ids) >= 4][:4]
+    queued = [dataclasses.replace(j, arrival_s=0.0 if i < 3 else 0.5) for i, j in enumerate(long_ones)]
+    two_slots, now = engine(tiny_model, tiny_tokenizer, max_batch_size=2), [0.0]
+    step = two_slots.step
+
+    def stepping():
+        now[0] += 1.0
+        return step()
+
+    class StepClock:
+        def __call__(self):
+            return now[0]
+
+        def skip(self, seconds):
+            now[0] += max(0.0, seconds)
+
+    two_slots.step = stepping
+    run_ = PolicyRun()
+    drain(continuous_turns(two_slots, queued, PARAMS, None, run_, StepClock(), predict=predict))
+    assert calls == [[j.id for j in queued[:3]], [queued[3].id]]
+    assert all(run_.answers[j.id] == reference[j.id].token_ids for j in queued)
+
+
 class _StandInPredictor:
     """`LengthPredictor.estimate_with_kv` from given expected lengths and prompt KV; 10 ms a call."""
 
@@ -586,4 +630,4 @@ def test_a_pair_at_a_load_is_kept_under_its_rate_and_load(workload, tmp_path, mo
     entry = report_pair(pair, store, lambda: {name: runs[name] for name in pair}, len(jobs), 0.412, 1.0)
     assert entry["arrivals_per_s"] == 0.412 and entry["load"] == 1.0
     kept = json.loads((tmp_path / "schedule_in_turns.json").read_text())
-    assert list(kept) == ["continuous + continuous+predicted at 0.412/s (load 1)"]
+    assert list(kept) == ["continuous + continuous+predicted at 0.412/s (load 1), predicting only arrivals that queue"]

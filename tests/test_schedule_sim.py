@@ -39,8 +39,13 @@ def test_arriving_requests_wait_only_from_their_arrival_and_pay_prediction_or_pr
     # one slot, a step a second: 0 arrives at 0 (2 tokens), 1 at 10 (3 tokens), the box idle between
     assert arriving_latencies([2, 3], [0, 0], [0, 10], slots=1) == [2, 3]
     assert arriving_latencies([2, 3], [4, 4], [0, 10], slots=1, prefill_s=0.25) == [3, 4]  # a 1 s prefill each
+    # each arrives to a free slot: started at once, unpredicted, prefilled as without a key
     assert arriving_latencies([2, 3], [4, 4], [0, 10], key=[2, 3], predict_s=[0.5, 0.5], slots=1,
-                              prefill_s=0.25) == [2.5, 3.5]  # predicted on arrival, nothing prefilled
+                              prefill_s=0.25) == [3, 4]
+    # both at once on one slot: both predicted on arrival (1 s), nothing prefilled; against 3, 7 in arrival order
+    assert arriving_latencies([2, 3], [4, 4], [0, 0], key=[2, 3], predict_s=[0.5, 0.5], slots=1,
+                              prefill_s=0.25) == [3, 6]
+    assert arriving_latencies([2, 3], [4, 4], [0, 0], slots=1, prefill_s=0.25) == [3, 7]
     # three at once, shortest first by the key: done at 1, 3, 6 (arrival order: 3, 4, 6)
     assert arriving_latencies([3, 1, 2], [0] * 3, [0, 0, 0], key=[3, 1, 2], slots=1) == [6, 1, 3]
     assert arriving_latencies([3, 1, 2], [0] * 3, [0, 0, 0], slots=1) == [3, 4, 6]
