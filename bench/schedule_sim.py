@@ -12,8 +12,9 @@ steps), `prefill_s` from what `continuous` took beyond its own steps. The replay
 pair is printed beside the measurement, so the model's error is in view; then what a pair cannot
 tell: the ratio with the true lengths as the key (the ceiling of any predictor), and with the
 prediction free (prefill costing little beside decoding, as on a GPU), and with the requests arriving
-as a Poisson stream (`--rates`, as `python -m bench schedule --rate` serves them), each predicted when
-it arrives. A model, not a measurement.
+as a Poisson stream (`--rates`, as `python -m bench schedule --rate` serves them), those that arrive
+to a queue predicted then. The pair it reads is a burst's (a stream's walls hold idle time); on
+streams it has been optimistic (bench/RESULTS.md). A model, not a measurement.
 """
 from __future__ import annotations
 
@@ -135,11 +136,19 @@ def what_if(answer_lengths: Sequence[int], keys: dict[str, Sequence[float]], arr
     return out
 
 
+def is_stream(pair: Path) -> bool:
+    """Whether a kept pair's requests arrived over time (`--rate`/`--load`: a rate in its workload's
+    signature): the model calibrates on a burst's walls, which a stream's idle time would distort."""
+    signature = pair.parents[2] / "signature.json"
+    return signature.exists() and "rate" in json.loads(signature.read_text())
+
+
 def newest_pair(store: Path) -> Path:
-    pairs = sorted(store.glob(f"*/predictor-*/{PAIR}"), key=lambda p: p.stat().st_mtime)
+    """The burst pair kept last (streams are left out, see `is_stream`)."""
+    pairs = sorted((p for p in store.glob(f"*/predictor-*/{PAIR}") if not is_stream(p)), key=lambda p: p.stat().st_mtime)
     if not pairs:
-        raise SystemExit(f"--pair: no kept continuous pair under {store}; run python -m bench schedule "
-                         "--in-turns continuous,continuous+predicted first")
+        raise SystemExit(f"--pair: no kept continuous pair of a burst under {store}; run python -m bench schedule "
+                         "--in-turns continuous,continuous+predicted (without --rate) first")
     return pairs[-1]
 
 
@@ -166,6 +175,8 @@ def run(argv: list[str]) -> dict:
     if args.arrival_predict_s is not None and args.arrival_predict_s < 0:
         raise SystemExit(f"--arrival-predict-s: seconds, at least 0, got {args.arrival_predict_s}")
     folder = args.pair or newest_pair(args.store)
+    if is_stream(folder):
+        raise SystemExit(f"--pair: {folder} served a stream (--rate); the model calibrates on a burst's pair")
     runs = {}
     for name in ("continuous", "continuous_predicted"):
         path = folder / f"{name}.json"

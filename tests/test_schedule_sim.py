@@ -124,6 +124,15 @@ def test_the_command_replays_a_kept_pair_and_reports_each_key(tmp_path, monkeypa
     for rate, arriving in dearer["arriving"].items():
         assert arriving["predicted_mean_s"] > result["arriving"][rate]["predicted_mean_s"]
         assert arriving["continuous_mean_s"] == result["arriving"][rate]["continuous_mean_s"]
+    # a stream's pair, kept later, is neither the default nor accepted: its walls hold idle time
+    stream = store / "s" / "predictor-x" / PAIR
+    stream.mkdir(parents=True)
+    (store / "s" / "signature.json").write_text(json.dumps({"n": n, "rows": rows, "rate": 0.5}))
+    for name, r in (("continuous", cont), ("continuous_predicted", pred)):
+        (stream / f"{name}.json").write_text(json.dumps(dataclasses.asdict(r)))
+    assert run(["--store", str(store), "--labels", str(labels), "--slots", "4"])["pair"] == str(folder)
+    with pytest.raises(SystemExit, match="--pair: .* served a stream"):
+        run(["--pair", str(stream), "--labels", str(labels)])
     with pytest.raises(SystemExit, match="--rates"):
         run(["--store", str(store), "--labels", str(labels), "--rates", "fast"])
     with pytest.raises(SystemExit, match="--arrival-predict-s"):
