@@ -141,7 +141,7 @@ class RunStore:
 
     def __init__(self, root: Path, signature: dict, predictor: str = ""):
         self.folder = root / _digest(signature)
-        self.predicted_folder = self.folder / f"predictor-{_digest(predictor)}"
+        self.predicted_folder = self.folder / f"predictor-{_digest(predictor)}"  # predictor_folder_name
         self.predicted_folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "signature.json").write_text(json.dumps(signature, indent=1, sort_keys=True))
 
@@ -170,6 +170,17 @@ class RunStore:
         tmp = self._path(name).with_suffix(".tmp")
         tmp.write_text(json.dumps(dataclasses.asdict(run)))
         tmp.replace(self._path(name))
+
+
+def predictor_signature(adapter: Path) -> str:
+    """What names the runs that read an adapter's predictions (their `predictor-<digest>` folder): how
+    predictions are made (`PREDICTION`) and the adapter's files."""
+    return PREDICTION + hashlib.sha256(b"".join(f.read_bytes() for f in sorted(adapter.iterdir())
+                                                if f.is_file())).hexdigest()
+
+
+def predictor_folder_name(adapter: Path) -> str:
+    return f"predictor-{_digest(predictor_signature(adapter))}"
 
 
 def _digest(value) -> str:
@@ -584,8 +595,7 @@ def run(argv: list[str]) -> dict:
         "vanilla_batch": VANILLA_BATCH, "vbs_max_batch": VBS_MAX_BATCH,
         # a burst's runs keep the folder they had; a stream's before PREDICTS_A_QUEUE predicted every arrival
         **({} if args.rate is None else {"rate": args.rate, "predicts": PREDICTS_A_QUEUE})},
-        predictor=PREDICTION + hashlib.sha256(b"".join(f.read_bytes() for f in sorted(args.adapter.iterdir())
-                                                        if f.is_file())).hexdigest())
+        predictor=predictor_signature(args.adapter))
     saved, prompt_kv = store.predictions, None
     if not saved.exists() or (pair is None and any(not store.has(name) for name in PREDICTED
                                                     if only is None or name in only)):

@@ -27,11 +27,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import REPO, RESULTS, table, write_result
-from bench.schedule_bench import poisson_arrivals
+from bench.schedule_bench import poisson_arrivals, predictor_folder_name
 from bench.schedule_policies import PolicyRun
 from predictor.labels import DEFAULT_OUT as DEFAULT_LABELS
 from predictor.labels import read_labels
 from predictor.metrics import rank_correlation
+from predictor.predict import DEFAULT_ADAPTER
 
 PAIR = "in_turns/continuous__continuous_predicted"
 SLOTS = 16  # the benchmark's continuous engine (VANILLA_BATCH)
@@ -143,20 +144,26 @@ def is_stream(pair: Path) -> bool:
     return signature.exists() and "rate" in json.loads(signature.read_text())
 
 
-def newest_pair(store: Path) -> Path:
-    """The burst pair kept last (streams are left out, see `is_stream`)."""
-    pairs = sorted((p for p in store.glob(f"*/predictor-*/{PAIR}") if not is_stream(p)), key=lambda p: p.stat().st_mtime)
+def default_pair(store: Path, adapter: Path = DEFAULT_ADAPTER) -> Path:
+    """The burst pair (streams are left out, see `is_stream`) of `adapter`'s predictions on the most
+    requests; of any adapter's, the newest, when it has none. Not by file time alone: a fresh clone
+    gives every kept file the same."""
+    pairs = [p for p in store.glob(f"*/predictor-*/{PAIR}") if not is_stream(p)]
     if not pairs:
         raise SystemExit(f"--pair: no kept continuous pair of a burst under {store}; run python -m bench schedule "
                          "--in-turns continuous,continuous+predicted (without --rate) first")
-    return pairs[-1]
+    name = predictor_folder_name(adapter) if (adapter / "settings.json").exists() else None
+    if own := [p for p in pairs if p.parents[1].name == name]:
+        return max(own, key=lambda p: json.loads((p.parents[2] / "signature.json").read_text()).get("n", 0))
+    return max(pairs, key=lambda p: p.stat().st_mtime)
 
 
 def run(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench schedule-sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", type=Path, default=None,
-                        help=f"a kept pair's folder (…/predictor-*/{PAIR}; default: the newest in the store)")
+                        help=f"a kept pair's folder (…/predictor-*/{PAIR}; default: the committed adapter's burst pair "
+                        "on the most requests)")
     parser.add_argument("--store", type=Path, default=RESULTS / "schedule_runs")
     parser.add_argument("--labels", type=Path, default=DEFAULT_LABELS, help="folder of the label parts")
     parser.add_argument("--slots", type=int, default=SLOTS, help="sequences the continuous engine decodes together")
@@ -174,7 +181,7 @@ def run(argv: list[str]) -> dict:
         raise SystemExit(f"--rates: comma-separated positive requests a second, got {args.rates!r}")
     if args.arrival_predict_s is not None and args.arrival_predict_s < 0:
         raise SystemExit(f"--arrival-predict-s: seconds, at least 0, got {args.arrival_predict_s}")
-    folder = args.pair or newest_pair(args.store)
+    folder = args.pair or default_pair(args.store)
     if is_stream(folder):
         raise SystemExit(f"--pair: {folder} served a stream (--rate); the model calibrates on a burst's pair")
     runs = {}

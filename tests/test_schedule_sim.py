@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import random
 import statistics
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -137,6 +139,32 @@ def test_the_command_replays_a_kept_pair_and_reports_each_key(tmp_path, monkeypa
         run(["--store", str(store), "--labels", str(labels), "--rates", "fast"])
     with pytest.raises(SystemExit, match="--arrival-predict-s"):
         run(["--store", str(store), "--labels", str(labels), "--arrival-predict-s", "-1"])
+
+
+def test_the_default_pair_is_the_adapters_burst_on_the_most_requests_never_a_stream(tmp_path):
+    from bench.schedule_bench import predictor_folder_name
+    from bench.schedule_sim import default_pair
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "settings.json").write_text("{}")
+    store = tmp_path / "store"
+
+    def keep(workload, predictor, signature):
+        folder = store / workload / predictor / PAIR
+        folder.mkdir(parents=True)
+        (store / workload / "signature.json").write_text(json.dumps(signature))
+        return folder
+
+    small = keep("a", predictor_folder_name(adapter), {"n": 10})
+    large = keep("b", predictor_folder_name(adapter), {"n": 30})
+    keep("c", predictor_folder_name(adapter), {"n": 99, "rate": 0.5})  # a stream
+    other = keep("d", "predictor-other", {"n": 50})  # another adapter's, kept last
+    os.utime(other, (time.time() + 60, time.time() + 60))
+    assert default_pair(store, adapter) == large
+    assert default_pair(store, tmp_path / "no-adapter") == other  # none of its own: the newest
+    os.utime(small, (time.time() + 120, time.time() + 120))  # newer, but on fewer requests
+    assert default_pair(store, adapter) == large
 
 
 def test_the_command_without_a_kept_pair_says_how_to_make_one(tmp_path):
