@@ -141,7 +141,7 @@ class RunStore:
 
     def __init__(self, root: Path, signature: dict, predictor: str = ""):
         self.folder = root / _digest(signature)
-        self.predicted_folder = self.folder / f"predictor-{_digest(predictor)}"  # predictor_folder_name
+        self.predicted_folder = self.folder / predictor_folder_name(predictor)
         self.predicted_folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "signature.json").write_text(json.dumps(signature, indent=1, sort_keys=True))
 
@@ -179,8 +179,10 @@ def predictor_signature(adapter: Path) -> str:
                                                 if f.is_file())).hexdigest()
 
 
-def predictor_folder_name(adapter: Path) -> str:
-    return f"predictor-{_digest(predictor_signature(adapter))}"
+def predictor_folder_name(predictor: str) -> str:
+    """The folder, under a workload's, of the runs that read the predictions of `predictor` (a
+    `predictor_signature`)."""
+    return f"predictor-{_digest(predictor)}"
 
 
 def _digest(value) -> str:

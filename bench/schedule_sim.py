@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import REPO, RESULTS, table, write_result
-from bench.schedule_bench import poisson_arrivals, predictor_folder_name
+from bench.schedule_bench import poisson_arrivals, predictor_folder_name, predictor_signature
 from bench.schedule_policies import PolicyRun
 from predictor.labels import DEFAULT_OUT as DEFAULT_LABELS
 from predictor.labels import read_labels
@@ -137,24 +137,29 @@ def what_if(answer_lengths: Sequence[int], keys: dict[str, Sequence[float]], arr
     return out
 
 
-def is_stream(pair: Path) -> bool:
-    """Whether a kept pair's requests arrived over time (`--rate`/`--load`: a rate in its workload's
-    signature): the model calibrates on a burst's walls, which a stream's idle time would distort."""
-    signature = pair.parents[2] / "signature.json"
-    return signature.exists() and "rate" in json.loads(signature.read_text())
+def workload_signature(pair: Path) -> dict:
+    """The signature of the workload a kept pair served (empty where there is none)."""
+    path = pair.parents[2] / "signature.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def is_stream(signature: dict) -> bool:
+    """Whether a workload's requests arrived over time (`--rate`/`--load`: a rate in its signature):
+    the model calibrates on a burst's walls, which a stream's idle time would distort."""
+    return "rate" in signature
 
 
 def default_pair(store: Path, adapter: Path = DEFAULT_ADAPTER) -> Path:
     """The burst pair (streams are left out, see `is_stream`) of `adapter`'s predictions on the most
     requests; of any adapter's, the newest, when it has none. Not by file time alone: a fresh clone
     gives every kept file the same."""
-    pairs = [p for p in store.glob(f"*/predictor-*/{PAIR}") if not is_stream(p)]
+    pairs = {p: sig for p in store.glob(f"*/predictor-*/{PAIR}") if not is_stream(sig := workload_signature(p))}
     if not pairs:
         raise SystemExit(f"--pair: no kept continuous pair of a burst under {store}; run python -m bench schedule "
                          "--in-turns continuous,continuous+predicted (without --rate) first")
-    name = predictor_folder_name(adapter) if (adapter / "settings.json").exists() else None
+    name = predictor_folder_name(predictor_signature(adapter)) if (adapter / "settings.json").exists() else None
     if own := [p for p in pairs if p.parents[1].name == name]:
-        return max(own, key=lambda p: json.loads((p.parents[2] / "signature.json").read_text()).get("n", 0))
+        return max(own, key=lambda p: pairs[p].get("n", 0))
     return max(pairs, key=lambda p: p.stat().st_mtime)
 
 
@@ -182,7 +187,7 @@ def run(argv: list[str]) -> dict:
     if args.arrival_predict_s is not None and args.arrival_predict_s < 0:
         raise SystemExit(f"--arrival-predict-s: seconds, at least 0, got {args.arrival_predict_s}")
     folder = args.pair or default_pair(args.store)
-    if is_stream(folder):
+    if is_stream(workload_signature(folder)):
         raise SystemExit(f"--pair: {folder} served a stream (--rate); the model calibrates on a burst's pair")
     runs = {}
     for name in ("continuous", "continuous_predicted"):

@@ -142,7 +142,7 @@ def test_the_command_replays_a_kept_pair_and_reports_each_key(tmp_path, monkeypa
 
 
 def test_the_default_pair_is_the_adapters_burst_on_the_most_requests_never_a_stream(tmp_path):
-    from bench.schedule_bench import predictor_folder_name
+    from bench.schedule_bench import predictor_folder_name, predictor_signature
     from bench.schedule_sim import default_pair
 
     adapter = tmp_path / "adapter"
@@ -156,9 +156,10 @@ def test_the_default_pair_is_the_adapters_burst_on_the_most_requests_never_a_str
         (store / workload / "signature.json").write_text(json.dumps(signature))
         return folder
 
-    small = keep("a", predictor_folder_name(adapter), {"n": 10})
-    large = keep("b", predictor_folder_name(adapter), {"n": 30})
-    keep("c", predictor_folder_name(adapter), {"n": 99, "rate": 0.5})  # a stream
+    own = predictor_folder_name(predictor_signature(adapter))
+    small = keep("a", own, {"n": 10})
+    large = keep("b", own, {"n": 30})
+    keep("c", own, {"n": 99, "rate": 0.5})  # a stream
     other = keep("d", "predictor-other", {"n": 50})  # another adapter's, kept last
     os.utime(other, (time.time() + 60, time.time() + 60))
     assert default_pair(store, adapter) == large
