@@ -1,24 +1,27 @@
 """`python -m bench plato`: plain decoding against Skeleton-of-Thought and plan-then-decode, in one run.
 
-Every mode answers the same questions on the same engine with the same answer-token budget:
-`ar`, `sot`, `plato`, and `plato` without pipelining, without KV reuse and without the engine's
-jump-forward over the plan grammar's forced tokens; `ar` and `plato` also without the engine's
-prompt-lookup drafts. Latency is measured
-one question at a time; throughput with all questions in flight at once. Writes
-bench/results/plato.json and plato.png.
+Every mode answers the same questions on the same engine settings with the same answer-token
+budget: `ar`, `sot`, `plato`, and `plato` without pipelining, without KV reuse and without the
+engine's jump-forward over the plan grammar's forced tokens; `ar` and `plato` also without the
+engine's prompt-lookup drafts. Each variant has an engine of its own in a process of its own
+(bench/plato_workers.py). Latency is measured one question at a time, the variants taking turns
+question by question (bench/plato_store.py), so a ratio between two variants compares the same
+minutes of this machine; throughput with the first `--in-flight` questions sent at once. Answers
+are kept as they are made (`--store`), and a run with the same settings resumes. Writes
+bench/results/plato.json (overall, per category, every answer) and plato.png.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
-import time
+from collections.abc import Callable
+from pathlib import Path
 
-from bench.common import RESULTS, load_jsonl, machine, table, write_result
-from engine.async_engine import AsyncEngine
+from bench.common import REPO, RESULTS, load_jsonl, machine, table, write_result
+from bench.plato_store import PlatoRunStore, turns
+from bench.plato_workers import VariantWorker
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
-from graph.orchestrator import Answer, AnswerConfig, EngineClient, Orchestrator
+from graph.orchestrator import AnswerConfig
 from graph.router import route
 
 VARIANTS = {  # name: (mode, AnswerConfig overrides, EngineConfig overrides)
@@ -39,31 +42,53 @@ def _p90(values: list[float]) -> float:
     return sorted(values)[max(0, round(0.9 * len(values)) - 1)]
 
 
-async def _run_variant(engine: AsyncEngine, mode: str, config: AnswerConfig, questions: list[str]):
-    orchestrator = Orchestrator(EngineClient(engine), config)
-    one_by_one = [await orchestrator.answer(q, mode) for q in questions]
-    started = time.perf_counter()
-    together = await asyncio.gather(*(orchestrator.answer(q, mode) for q in questions))
-    return one_by_one, together, time.perf_counter() - started
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
 
 
-def _summary(answers: list[Answer], together: list[Answer], wall_s: float) -> dict:
-    latencies = [a.latency_s for a in answers]
-    prompt_tokens = sum(a.node_prompt_tokens for a in answers)
-    planned = [a for a in answers if a.plan is not None or a.fallback]
+def alone_summary(rows: list[dict]) -> dict:
+    """Per-question figures of one variant, from its questions answered one at a time."""
+    latencies = [r["latency_s"] for r in rows]
+    prompt_tokens = sum(r["node_prompt_tokens"] for r in rows)
+    planned = [r for r in rows if r["planned"]]
+    plan_s = [r["plan_s"] for r in rows if r["plan_s"]]
     return {
+        "questions": len(rows),
         "latency_mean_s": round(statistics.mean(latencies), 2),
         "latency_p90_s": round(_p90(latencies), 2),
-        "answers_per_min": round(60 * len(together) / wall_s, 2),
-        "answer_tok_s": round(sum(a.completion_tokens for a in together) / wall_s, 1),
-        "completion_tokens_mean": round(statistics.mean(a.completion_tokens for a in answers), 1),
-        "plan_s_mean": round(statistics.mean([a.plan_s for a in answers if a.plan_s] or [0.0]), 2),
-        "fallback_rate": round(sum(bool(a.fallback) for a in planned) / len(planned), 3) if planned else None,
-        "prefix_hit_rate": round(sum(a.prefix_hit_tokens for a in answers) / prompt_tokens, 3) if prompt_tokens else None,
+        "completion_tokens_mean": round(statistics.mean(r["tokens"] for r in rows), 1),
+        "answer_tok_s_alone": round(sum(r["tokens"] for r in rows) / sum(latencies), 1),
+        "plan_s_mean": round(statistics.mean(plan_s), 2) if plan_s else 0.0,
+        "fallback_rate": round(sum(bool(r["fallback"]) for r in planned) / len(planned), 3) if planned else None,
+        "prefix_hit_rate": round(sum(r["prefix_hit_tokens"] for r in rows) / prompt_tokens, 3) if prompt_tokens else None,
         # the most any prefix cache could serve with these prompts: what earlier nodes had computed
-        "prefix_shareable_rate": round(sum(a.node_prompt_shareable_tokens for a in answers) / prompt_tokens, 3)
+        "prefix_shareable_rate": round(sum(r["node_prompt_shareable_tokens"] for r in rows) / prompt_tokens, 3)
         if prompt_tokens else None,
     }
+
+
+def together_summary(rows: list[dict], wall_s: float) -> dict:
+    """Throughput of one variant with its in-flight questions all sent at once."""
+    return {"in_flight": len(rows), "answers_per_min": round(60 * len(rows) / wall_s, 2),
+            "answer_tok_s": round(sum(r["tokens"] for r in rows) / wall_s, 1)}
+
+
+def per_category(rows: list[dict], answers: dict[str, list[dict]]) -> dict:
+    """Every variant's per-question figures within each category (file order), with plato's speed-up
+    over ar and over sot there and how many of its questions the router sends to planning."""
+    out = {}
+    for category in dict.fromkeys(r["category"] for r in rows):
+        index = [i for i, r in enumerate(rows) if r["category"] == category]
+        modes = {name: alone_summary([kept[i] for i in index]) for name, kept in answers.items()}
+        latency = {name: m["latency_mean_s"] for name, m in modes.items()}
+        out[category] = {
+            "questions": len(index),
+            "routed_to_plato": sum(route(rows[i]["prompt"])[0] == "plato" for i in index),
+            "speedup_vs_ar": _ratio(latency.get("ar"), latency.get("plato")),
+            "speedup_vs_sot": _ratio(latency.get("sot"), latency.get("plato")),
+            "modes": modes,
+        }
+    return out
 
 
 def _chart(summary: dict, path) -> None:
@@ -84,6 +109,48 @@ def _chart(summary: dict, path) -> None:
     fig.savefig(path, dpi=110)
 
 
+ENGINE = {"max_batch_size": 32, "max_model_len": 1024}
+
+
+def measure(rows: list[dict], variants: list[str], store: PlatoRunStore, in_flight: int,
+            make_worker: Callable[[str], VariantWorker]) -> tuple[dict[str, list[dict]], dict[str, tuple]]:
+    """Every variant's answer to every question alone, question by question (`turns`), then each
+    variant's first `in_flight` questions all at once; whatever `store` already holds is taken from
+    it and the rest kept there as it is made. Returns (rows per variant in question order, (rows,
+    wall seconds) of the in-flight run per variant). Workers are started only for variants with
+    work left, and all closed at the end."""
+    ids = [r["id"] for r in rows]
+    prompt = {r["id"]: r["prompt"] for r in rows}
+    kept = {name: store.answered(name) for name in variants}
+    todo = turns(ids, variants, {name: set(k) for name, k in kept.items()})
+    flight_ids = ids[:in_flight]
+    workers: dict[str, VariantWorker] = {}
+
+    def worker(name: str) -> VariantWorker:
+        if name not in workers:
+            workers[name] = make_worker(name)
+        return workers[name]
+
+    try:
+        for n, (qid, name) in enumerate(todo, 1):
+            row = {"id": qid, **worker(name).answer(prompt[qid])}
+            store.add(name, row)
+            kept[name][qid] = row
+            print(f"[{n}/{len(todo)}] {qid} {name}: {row['latency_s']:.1f} s, {row['tokens']} tokens", flush=True)
+        together = {}
+        for name in variants:
+            together[name] = store.together(name, flight_ids)
+            if together[name] is None:
+                flight_rows, wall = worker(name).together([prompt[i] for i in flight_ids])
+                store.save_together(name, flight_ids, flight_rows, wall)
+                together[name] = (flight_rows, wall)
+                print(f"{name}, {len(flight_ids)} in flight: {wall:.1f} s", flush=True)
+    finally:
+        for w in workers.values():
+            w.close()
+    return {name: [kept[name][i] for i in ids] for name in variants}, together
+
+
 def run(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench plato", description=__doc__)
     parser.add_argument("--data", default="vicuna80", choices=["vicuna80", "mtbench80"])
@@ -91,10 +158,23 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--quick", action="store_true", help="4 questions, smaller budgets")
     parser.add_argument("--budget", type=int, default=None, help="answer-token budget of every mode")
     parser.add_argument("--planning-only", action="store_true", help="only the questions the router sends to plato")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)} (default: all; ar and plato give the keys)")
+    parser.add_argument("--in-flight", type=int, default=16,
+                        help="how many of the questions (the first) are sent at once for the throughput figures")
+    parser.add_argument("--store", type=Path, default=RESULTS / "plato_runs",
+                        help="where answers are kept as they are made; a run with the same settings resumes")
+    parser.add_argument("--fresh", action="store_true", help="answer everything again (drop the kept answers)")
     parser.add_argument("--given-plans", action="store_true",
                         help="plans with dependencies given (data/dag_plans.jsonl), nodes decoded: see bench/plato_dag.py")
     parser.add_argument("--line-delay", type=float, default=1.5, help="with --given-plans: seconds per plan line")
     args = parser.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        raise SystemExit(f"--variants: comma-separated names of {', '.join(VARIANTS)}; got {args.variants!r}")
+    if args.in_flight < 1:
+        raise SystemExit(f"--in-flight: at least 1, got {args.in_flight}")
     budget = args.budget or (96 if args.quick else 192)
     if args.given_plans:
         from bench.plato_dag import run_given_plans
@@ -104,66 +184,85 @@ def run(argv: list[str]) -> dict:
     if args.planning_only:
         rows = [r for r in rows if route(r["prompt"])[0] == "plato"]
     rows = rows[: args.limit or (4 if args.quick else len(rows))]
-    questions = [r["prompt"] for r in rows]
 
     # nodes and outline points share the budget (AnswerConfig.nodes_per_budget): budget // 4 each
     base = AnswerConfig(max_tokens=budget, node_max_tokens=budget, plan_max_tokens=96)
-    summary, raw = {}, {}
-    for name, (mode, overrides, engine_overrides) in VARIANTS.items():
-        # a fresh engine per variant: no prefix cached by an earlier variant can help a later one
-        engine_config = EngineConfig(max_batch_size=32, max_model_len=1024, **engine_overrides)
-        engine = AsyncEngine(lambda: LLMEngine.from_config(engine_config))
-        try:
-            config = base.model_copy(update=overrides)
-            one_by_one, together, wall = asyncio.run(_run_variant(engine, mode, config, questions))
-        finally:
-            engine.shutdown()
-        summary[name] = _summary(one_by_one, together, wall)
-        raw[name] = [{"id": r["id"], "category": r["category"], "latency_s": round(a.latency_s, 2),
-                      "tokens": a.completion_tokens, "fallback": a.fallback, "text": a.text}
-                     for r, a in zip(rows, one_by_one)]
-        print(f"{name}: {summary[name]}", flush=True)
+    signature = {"data": args.data, "answer": base.model_dump(), "engine": EngineConfig(**ENGINE).model_dump()}
+    store = PlatoRunStore(args.store, signature)
+    if args.fresh:
+        for path in store.folder.glob("*.json*"):
+            if path.name != "signature.json":
+                path.unlink()
+    print(f"answers kept in {store.folder}", flush=True)
 
-    ar, plato = summary["ar"], summary["plato"]
+    def make_worker(name: str) -> VariantWorker:
+        mode, overrides, engine_overrides = VARIANTS[name]
+        # an engine per variant: no prefix cached by one variant can help another
+        return VariantWorker(name, mode, base.model_copy(update=overrides).model_dump(),
+                             {**ENGINE, **engine_overrides})
+
+    answers, together = measure(rows, variants, store, args.in_flight, make_worker)
+    result = report(args, rows, budget, answers, together)
+    result["store"] = str(store.folder.relative_to(REPO)) if store.folder.is_relative_to(REPO) else str(store.folder)
+    path = write_result("plato", result)
+    _chart(result["modes"], RESULTS / "plato.png")
+    print(f"wrote {path}")
+    return result
+
+
+def report(args, rows: list[dict], budget: int, answers: dict[str, list[dict]], together: dict[str, tuple]) -> dict:
+    """The issue's keys and the tables, from every variant's rows."""
+    summary = {name: {**alone_summary(kept), **together_summary(*together[name])} for name, kept in answers.items()}
+    latency = lambda name: summary[name]["latency_mean_s"] if name in summary else None  # noqa: E731
+    per_minute = lambda name: summary[name]["answers_per_min"] if name in summary else None  # noqa: E731
+    plato = summary.get("plato", {})
     # An ar answer that loops to the budget makes every shorter mode look fast: also compare
     # only where ar stopped by itself.
-    stopped = [i for i, a in enumerate(raw["ar"]) if a["tokens"] < budget]
-    mean_over = lambda name, ids: statistics.mean(raw[name][i]["latency_s"] for i in ids)  # noqa: E731
-    labels = [r.get("sot_router_label") for r in rows]
-    # `auto` runs exactly the routed mode, so its latency per question is that mode's, measured above
+    stopped = [i for i, a in enumerate(answers["ar"]) if a["tokens"] < budget] if "ar" in answers else []
     routed = [route(r["prompt"])[0] for r in rows]
-    auto_latency = [raw[mode][i]["latency_s"] for i, mode in enumerate(routed)]
     planned = [i for i, mode in enumerate(routed) if mode == "plato"]
+
+    def mean_over(name: str, index: list[int]) -> float | None:
+        return statistics.mean(answers[name][i]["latency_s"] for i in index) if name in answers and index else None
+
+    # `auto` runs exactly the routed mode, so its latency per question is that mode's, measured above
+    auto = (statistics.mean(answers[mode][i]["latency_s"] for i, mode in enumerate(routed))
+            if {"ar", "plato"} <= set(answers) else None)
+    labels = [r.get("sot_router_label") for r in rows]
     result = {
-        "data": args.data, "questions": len(rows), "budget": budget, "quick": args.quick, "modes": summary,
-        "speedup_vs_ar": round(ar["latency_mean_s"] / plato["latency_mean_s"], 2),
-        "speedup_vs_ar_planned": round(mean_over("ar", planned) / mean_over("plato", planned), 2) if planned else None,
-        "speedup_vs_ar_auto": round(ar["latency_mean_s"] / statistics.mean(auto_latency), 2),
-        "ar_hit_cap_share": round(1 - len(stopped) / len(rows), 3),
-        "speedup_vs_ar_where_ar_stopped": round(mean_over("ar", stopped) / mean_over("plato", stopped), 2) if stopped else None,
-        "throughput_vs_ar": round(plato["answers_per_min"] / ar["answers_per_min"], 2),
-        "pipeline_gain": round(summary["plato-no-pipeline"]["latency_mean_s"] / plato["latency_mean_s"], 2),
-        "jump_forward_gain": round(summary["plato-no-jump-forward"]["latency_mean_s"] / plato["latency_mean_s"], 2),
-        "draft_gain_ar": round(summary["ar-no-drafts"]["latency_mean_s"] / ar["latency_mean_s"], 2),
-        "draft_gain_plato": round(summary["plato-no-drafts"]["latency_mean_s"] / plato["latency_mean_s"], 2),
-        "speedup_vs_ar_without_drafts": round(summary["ar-no-drafts"]["latency_mean_s"]
-                                              / summary["plato-no-drafts"]["latency_mean_s"], 2),
-        "kv_reuse_overhead_cut": plato["prefix_hit_rate"],
-        "kv_reuse_ceiling": plato["prefix_shareable_rate"],
-        "plan_valid_rate": round(1 - (plato["fallback_rate"] or 0.0), 3),
+        "data": args.data, "questions": len(rows), "budget": budget, "quick": args.quick,
+        "in_flight": min(args.in_flight, len(rows)), "variants_in_turns": True, "modes": summary,
+        "speedup_vs_ar": _ratio(latency("ar"), latency("plato")),
+        "speedup_vs_ar_planned": _ratio(mean_over("ar", planned), mean_over("plato", planned)),
+        "speedup_vs_ar_auto": _ratio(latency("ar"), auto),
+        "ar_hit_cap_share": round(1 - len(stopped) / len(rows), 3) if "ar" in answers else None,
+        "speedup_vs_ar_where_ar_stopped": _ratio(mean_over("ar", stopped), mean_over("plato", stopped)),
+        "throughput_vs_ar": _ratio(per_minute("plato"), per_minute("ar")),
+        "pipeline_gain": _ratio(latency("plato-no-pipeline"), latency("plato")),
+        "jump_forward_gain": _ratio(latency("plato-no-jump-forward"), latency("plato")),
+        "draft_gain_ar": _ratio(latency("ar-no-drafts"), latency("ar")),
+        "draft_gain_plato": _ratio(latency("plato-no-drafts"), latency("plato")),
+        "speedup_vs_ar_without_drafts": _ratio(latency("ar-no-drafts"), latency("plato-no-drafts")),
+        "kv_reuse_overhead_cut": plato.get("prefix_hit_rate"),
+        "kv_reuse_ceiling": plato.get("prefix_shareable_rate"),
+        "plan_valid_rate": round(1 - (plato.get("fallback_rate") or 0.0), 3) if plato else None,
         "router_accuracy": round(statistics.mean(
-            (route(r["prompt"])[0] == "plato") == bool(lab) for r, lab in zip(rows, labels)), 3)
-        if None not in labels else None,
-        "answers": raw, "machine": machine(),
+            (mode == "plato") == bool(lab) for mode, lab in zip(routed, labels)), 3) if None not in labels else None,
+        "categories": per_category(rows, answers),
+        "answers": {name: [{"id": r["id"], "category": r["category"], "latency_s": round(a["latency_s"], 2),
+                            "tokens": a["tokens"], "fallback": a["fallback"], "text": a["text"]}
+                           for r, a in zip(rows, kept)] for name, kept in answers.items()},
+        "machine": machine(),
     }
-    path = write_result("plato", result)
-    _chart(summary, RESULTS / "plato.png")
     print(table(["mode", "latency mean s", "p90 s", "answers/min", "tok/s", "fallback", "prefix hit", "shareable"],
                 [[n, s["latency_mean_s"], s["latency_p90_s"], s["answers_per_min"], s["answer_tok_s"],
                   s["fallback_rate"], s["prefix_hit_rate"], s["prefix_shareable_rate"]] for n, s in summary.items()]))
-    print({k: result[k] for k in ("speedup_vs_ar", "speedup_vs_ar_planned", "speedup_vs_ar_auto", "throughput_vs_ar", "pipeline_gain", "jump_forward_gain",
-                                  "draft_gain_ar", "draft_gain_plato", "speedup_vs_ar_without_drafts",
-                                  "kv_reuse_overhead_cut", "kv_reuse_ceiling",
+    shown = [name for name in ("ar", "sot", "plato") if name in answers]
+    print(table(["category", "questions", "routed to plato", *(f"{n} s" for n in shown), "plato vs ar", "plato vs sot"],
+                [[c, v["questions"], v["routed_to_plato"], *(v["modes"][n]["latency_mean_s"] for n in shown),
+                  v["speedup_vs_ar"], v["speedup_vs_sot"]] for c, v in result["categories"].items()]))
+    print({k: result[k] for k in ("speedup_vs_ar", "speedup_vs_ar_planned", "speedup_vs_ar_auto", "throughput_vs_ar",
+                                  "pipeline_gain", "jump_forward_gain", "draft_gain_ar", "draft_gain_plato",
+                                  "speedup_vs_ar_without_drafts", "kv_reuse_overhead_cut", "kv_reuse_ceiling",
                                   "plan_valid_rate", "router_accuracy")})
-    print(f"wrote {path}")
     return result
