@@ -118,7 +118,7 @@ def measure(rows: list[dict], variants: list[str], store: PlatoRunStore, in_flig
     variant's first `in_flight` questions all at once; whatever `store` already holds is taken from
     it and the rest kept there as it is made. Returns (rows per variant in question order, (rows,
     wall seconds) of the in-flight run per variant). Workers are started only for variants with
-    work left, and all closed at the end."""
+    work left; each in-flight run gets a fresh one, closed when it is done."""
     ids = [r["id"] for r in rows]
     prompt = {r["id"]: r["prompt"] for r in rows}
     kept = {name: store.answered(name) for name in variants}
@@ -137,6 +137,11 @@ def measure(rows: list[dict], variants: list[str], store: PlatoRunStore, in_flig
             store.add(name, row)
             kept[name][qid] = row
             print(f"[{n}/{len(todo)}] {qid} {name}: {row['latency_s']:.1f} s, {row['tokens']} tokens", flush=True)
+        # each in-flight run on a fresh engine: one that has just answered these questions alone holds
+        # their prompts' and plans' KV in its prefix cache, which new questions would not find there
+        for w in workers.values():
+            w.close()
+        workers.clear()
         together = {}
         for name in variants:
             together[name] = store.together(name, flight_ids)
@@ -145,6 +150,8 @@ def measure(rows: list[dict], variants: list[str], store: PlatoRunStore, in_flig
                 store.save_together(name, flight_ids, flight_rows, wall)
                 together[name] = (flight_rows, wall)
                 print(f"{name}, {len(flight_ids)} in flight: {wall:.1f} s", flush=True)
+            if name in workers:  # one engine at a time
+                workers.pop(name).close()
     finally:
         for w in workers.values():
             w.close()
