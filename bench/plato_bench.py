@@ -137,24 +137,23 @@ def measure(rows: list[dict], variants: list[str], store: PlatoRunStore, in_flig
             store.add(name, row)
             kept[name][qid] = row
             print(f"[{n}/{len(todo)}] {qid} {name}: {row['latency_s']:.1f} s, {row['tokens']} tokens", flush=True)
-        # each in-flight run on a fresh engine: one that has just answered these questions alone holds
-        # their prompts' and plans' KV in its prefix cache, which new questions would not find there
-        for w in workers.values():
-            w.close()
-        workers.clear()
-        together = {}
-        for name in variants:
-            together[name] = store.together(name, flight_ids)
-            if together[name] is None:
-                flight_rows, wall = worker(name).together([prompt[i] for i in flight_ids])
-                store.save_together(name, flight_ids, flight_rows, wall)
-                together[name] = (flight_rows, wall)
-                print(f"{name}, {len(flight_ids)} in flight: {wall:.1f} s", flush=True)
-            if name in workers:  # one engine at a time
-                workers.pop(name).close()
     finally:
         for w in workers.values():
             w.close()
+    together = {}
+    for name in variants:
+        together[name] = store.together(name, flight_ids)
+        if together[name] is not None:
+            continue
+        # a fresh engine: one that has just answered these questions alone holds their prompts' and
+        # plans' KV in its prefix cache, which new questions would not find there
+        fresh = make_worker(name)
+        try:
+            together[name] = fresh.together([prompt[i] for i in flight_ids])
+        finally:
+            fresh.close()
+        store.save_together(name, flight_ids, *together[name])
+        print(f"{name}, {len(flight_ids)} in flight: {together[name][1]:.1f} s", flush=True)
     return {name: [kept[name][i] for i in ids] for name in variants}, together
 
 
@@ -197,9 +196,7 @@ def run(argv: list[str]) -> dict:
     signature = {"data": args.data, "answer": base.model_dump(), "engine": EngineConfig(**ENGINE).model_dump()}
     store = PlatoRunStore(args.store, signature)
     if args.fresh:
-        for path in store.folder.glob("*.json*"):
-            if path.name != "signature.json":
-                path.unlink()
+        store.clear()
     print(f"answers kept in {store.folder}", flush=True)
 
     def make_worker(name: str) -> VariantWorker:

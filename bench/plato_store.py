@@ -31,6 +31,11 @@ class PlatoRunStore:
         if not path.exists():
             path.write_text(json.dumps(signature, indent=1, sort_keys=True) + "\n")
 
+    def clear(self) -> None:
+        """Drop every kept answer and in-flight run (the settings stay)."""
+        for path in [*self.folder.glob("*.jsonl"), self.folder / "together.json"]:
+            path.unlink(missing_ok=True)
+
     def _answers_path(self, variant: str) -> Path:
         return self.folder / f"{variant}.jsonl"
 

@@ -97,7 +97,7 @@ class VariantWorker:
             status, payload = self._conn.recv()
         except EOFError:
             raise VariantFailed(f"{self.name}: its process exited (code {self._process.exitcode})") from None
-        if status != "ok" and status != "ready":
+        if status not in ("ok", "ready"):
             raise VariantFailed(f"{self.name}: {payload}")
         return payload
 

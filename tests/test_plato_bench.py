@@ -60,6 +60,9 @@ def test_the_store_keeps_rows_by_question_skips_a_cut_line_and_matches_in_flight
     store.save_together("ar", ["q0", "q1"], [row(1.0), row(2.0)], 3.0)
     assert store.together("ar", ["q0", "q1"]) == ([row(1.0), row(2.0)], 3.0)
     assert store.together("ar", ["q0"]) is None and store.together("plato", ["q0", "q1"]) is None
+    store.clear()  # --fresh
+    assert store.answered("ar") == {} and store.together("ar", ["q0", "q1"]) is None
+    assert (store.folder / "signature.json").exists()
 
 
 def test_measure_interleaves_variants_per_question_and_a_second_run_resumes_without_asking_again(tmp_path):
