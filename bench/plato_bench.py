@@ -8,7 +8,8 @@ engine's prompt-lookup drafts. Each variant has an engine of its own in a proces
 question by question (bench/plato_store.py), so a ratio between two variants compares the same
 minutes of this machine; throughput with the first `--in-flight` questions sent at once. Answers
 are kept as they are made (`--store`), and a run with the same settings resumes. Writes
-bench/results/plato.json (overall, per category, every answer) and plato.png.
+bench/results/plato.json (overall, per category, every answer) and plato.png (plato_<set>.json and .png
+for a set other than Vicuna-80).
 """
 from __future__ import annotations
 
@@ -208,8 +209,10 @@ def run(argv: list[str]) -> dict:
     answers, together = measure(rows, variants, store, args.in_flight, make_worker)
     result = report(args, rows, budget, answers, together)
     result["store"] = str(store.folder.relative_to(REPO)) if store.folder.is_relative_to(REPO) else str(store.folder)
-    path = write_result("plato", result)
-    _chart(result["modes"], RESULTS / "plato.png")
+    # Vicuna-80 is the headline set; another set's figures sit beside it rather than replacing it
+    name = "plato" if args.data == "vicuna80" else f"plato_{args.data}"
+    path = write_result(name, result)
+    _chart(result["modes"], RESULTS / f"{name}.png")
     print(f"wrote {path}")
     return result
 
