@@ -14,6 +14,7 @@ for a set other than Vicuna-80).
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,10 @@ VARIANTS = {  # name: (mode, AnswerConfig overrides, EngineConfig overrides)
     # every token a step of its own: what the engine's drafts (`speculative_tokens`) gain each mode
     "ar-no-drafts": ("ar", {}, {"speculative_tokens": 0}),
     "plato-no-drafts": ("plato", {}, {"speculative_tokens": 0}),
+    # nodes free to write the plan's sub-questions out again (AnswerConfig.plan_copy_tokens)
+    "plato-no-copy-guard": ("plato", {"plan_copy_tokens": None}, {}),
 }
+PARAGRAPH = re.compile(r"\*\*(.+?)\*\* (.*?)(?=\n\n\*\*|\Z)", re.S)
 
 
 def _p90(values: list[float]) -> float:
@@ -47,12 +51,27 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
+def part_checks(text: str) -> tuple[int, int, int, int]:
+    """Of an answer assembled from parts (plato's nodes, sot's points: '**sub-question** answer'
+    paragraphs): how many parts, how many are marked not answered, how many answers write out one of
+    the answer's sub-questions again (a heading ending in '?', as plan nodes do; an outline's short
+    points are not questions, and restating a point is how its answer begins), and how many answers
+    ask questions themselves (a '?': mostly a list of questions in place of an answer)."""
+    parts = PARAGRAPH.findall(text)
+    questions = [heading.rstrip("?") for heading, _ in parts if heading.endswith("?")]
+    answered = [body for _, body in parts if not body.startswith("[not answered")]
+    copying = sum(any(q in body for q in questions) for body in answered)
+    return len(parts), len(parts) - len(answered), copying, sum("?" in body for body in answered)
+
+
 def alone_summary(rows: list[dict]) -> dict:
     """Per-question figures of one variant, from its questions answered one at a time."""
     latencies = [r["latency_s"] for r in rows]
     prompt_tokens = sum(r["node_prompt_tokens"] for r in rows)
     planned = [r for r in rows if r["planned"]]
     plan_s = [r["plan_s"] for r in rows if r["plan_s"]]
+    checks = [part_checks(r["text"]) for r in planned if not r["fallback"]]
+    parts = sum(c[0] for c in checks)
     return {
         "questions": len(rows),
         "latency_mean_s": round(statistics.mean(latencies), 2),
@@ -65,6 +84,10 @@ def alone_summary(rows: list[dict]) -> dict:
         # the most any prefix cache could serve with these prompts: what earlier nodes had computed
         "prefix_shareable_rate": round(sum(r["node_prompt_shareable_tokens"] for r in rows) / prompt_tokens, 3)
         if prompt_tokens else None,
+        # answer quality a judge is not needed for: parts left empty, and parts that copied the plan
+        "parts_unanswered_rate": round(sum(c[1] for c in checks) / parts, 3) if parts else None,
+        "parts_copying_plan_rate": round(sum(c[2] for c in checks) / parts, 3) if parts else None,
+        "parts_asking_rate": round(sum(c[3] for c in checks) / parts, 3) if parts else None,
     }
 
 
@@ -261,9 +284,11 @@ def report(args, rows: list[dict], budget: int, answers: dict[str, list[dict]], 
                            for r, a in zip(rows, kept)] for name, kept in answers.items()},
         "machine": machine(),
     }
-    print(table(["mode", "latency mean s", "p90 s", "answers/min", "tok/s", "fallback", "prefix hit", "shareable"],
+    print(table(["mode", "latency mean s", "p90 s", "answers/min", "tok/s", "fallback", "prefix hit", "shareable",
+                 "parts unanswered", "parts copying plan", "parts asking"],
                 [[n, s["latency_mean_s"], s["latency_p90_s"], s["answers_per_min"], s["answer_tok_s"],
-                  s["fallback_rate"], s["prefix_hit_rate"], s["prefix_shareable_rate"]] for n, s in summary.items()]))
+                  s["fallback_rate"], s["prefix_hit_rate"], s["prefix_shareable_rate"], s["parts_unanswered_rate"],
+                  s["parts_copying_plan_rate"], s["parts_asking_rate"]] for n, s in summary.items()]))
     shown = [name for name in ("ar", "sot", "plato") if name in answers]
     print(table(["category", "questions", "routed to plato", *(f"{n} s" for n in shown), "plato vs ar", "plato vs sot"],
                 [[c, v["questions"], v["routed_to_plato"], *(v["modes"][n]["latency_mean_s"] for n in shown),

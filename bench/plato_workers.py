@@ -75,6 +75,7 @@ def _serve(conn: Connection, mode: str, answer_config: dict, engine_config: dict
                 conn.send(("error", traceback.format_exc()))
     finally:
         engine.shutdown()
+        loop.run_until_complete(loop.shutdown_asyncgens())  # else a stream left open warns at exit
         loop.close()
 
 

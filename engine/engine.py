@@ -11,6 +11,7 @@ import torch
 from engine.base import Engine
 from engine.config import EngineConfig
 from engine.constraints import TokenConstraint, make_constraint
+from engine.copies import CopyGuard
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafts import lookup_draft
 from engine.loops import LoopDetector
@@ -37,6 +38,7 @@ class _Sequence:
     sent_chars: int = 0  # text already handed out in events
     constraint: TokenConstraint | None = None
     loops: LoopDetector | None = None
+    copies: CopyGuard | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -105,6 +107,8 @@ class LLMEngine(Engine):
             generated=list(request.resume_ids),
             constraint=constraint,
             loops=LoopDetector() if request.params.stop_on_loop else None,
+            copies=CopyGuard.for_texts(request.params.no_copy, self.tokenizer, request.params.no_copy_tokens)
+            if request.params.no_copy else None,
         )
         if sequence.loops is not None:  # a resumed answer stops exactly where an uninterrupted one would
             for token in request.resume_ids:
@@ -280,7 +284,7 @@ class LLMEngine(Engine):
 
     def _accept(self, batch: list[_Sequence], logits: torch.Tensor) -> None:
         """Append one sampled token to each sequence and decide whether it is done."""
-        masks = [s.constraint.allowed() if s.constraint is not None else None for s in batch]
+        masks = [self._allowed(s, logits.shape[-1]) for s in batch]
         chosen = sample(logits, [s.request.params for s in batch], [s.generator for s in batch], masks,
                         [s.generated for s in batch])
         now = time.perf_counter()
@@ -294,6 +298,18 @@ class LLMEngine(Engine):
                 if forced is None:
                     break
                 self._take(sequence, forced)  # computed in the next step's pass, after the decode token
+
+    @staticmethod
+    def _allowed(sequence: _Sequence, width: int) -> torch.Tensor | None:
+        """The tokens the sequence may take next: its constraint's, less those its copy guard bans
+        (unless that would leave none, as when the grammar forces the banned token)."""
+        mask = sequence.constraint.allowed() if sequence.constraint is not None else None
+        banned = sequence.copies.banned(sequence.generated) if sequence.copies is not None else ()
+        if not banned:
+            return mask
+        guarded = torch.ones(width, dtype=torch.bool) if mask is None else mask.clone()
+        guarded[[b for b in banned if b < guarded.numel()]] = False
+        return guarded if guarded.any() else mask
 
     def _take(self, sequence: _Sequence, token: int) -> None:
         """Append one token to the sequence (or end it on a stop token) and decide whether it is done."""

@@ -34,6 +34,15 @@ class SamplingParams(BaseModel):
         description="End the answer (STOP) once it repeats one block of tokens three times in a row "
         "(see engine.loops): small models otherwise loop until max_tokens.",
     )
+    no_copy: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Texts the answer must not write out again (a plan's sub-questions, for a node's answer): "
+        "once the answer's last tokens are the first `no_copy_tokens` tokens of one of them, the token that would "
+        "carry the copy on is banned (see engine.copies).",
+    )
+    no_copy_tokens: int = Field(2, ge=1, le=64, description="How many tokens of a `no_copy` text's beginning "
+                                "the answer may copy before the next one is banned.")
     constraint: str | None = Field(
         None,
         description="Name of a decoding constraint (see engine.constraints.CONSTRAINTS), e.g. 'plan_lines': "

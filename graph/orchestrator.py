@@ -84,6 +84,11 @@ class AnswerConfig(BaseModel):
         "(also used when the model's tokenizer cannot express the constraint).")
     deadline_s: float | None = Field(None, gt=0, description="Unfinished nodes fail after this many seconds.")
     stop_on_loop: bool = Field(True, description="End an answer or node once it repeats itself verbatim.")
+    plan_copy_tokens: int | None = Field(
+        2, ge=1, description="A plan node's answer may copy at most this many tokens of the beginning of the question "
+        "or of any sub-question in the plan before the next token is banned (the engine's `no_copy`): shown the "
+        "plan, the embedded model answered 1 node in 9 of the Vicuna-80 run by writing the plan out again. None: "
+        "no guard. Skeleton-of-Thought's points go unguarded, as that paper's baseline has it.")
     plan_presence_penalty: float = Field(
         1.2, ge=0.0, le=2.0, description="Presence penalty while the plan or outline is written: small models "
         "repeat a sub-question, and repair drops a repeated line, often leaving too few nodes. Measured on 24 "
@@ -91,10 +96,12 @@ class AnswerConfig(BaseModel):
         "24/24 at 1.2 (mean nodes 2.25 -> 3.3).")
 
 
-def node_params(config: AnswerConfig) -> SamplingParams:
-    """Sampling params of one plan node or outline point: its share of the answer budget."""
+def node_params(config: AnswerConfig, no_copy: list[str] | None = None) -> SamplingParams:
+    """Sampling params of one plan node or outline point: its share of the answer budget, and the
+    texts (question and sub-questions) it may not write out again, under `plan_copy_tokens`."""
     tokens = max(1, min(config.node_max_tokens, config.max_tokens // config.nodes_per_budget))
-    return SamplingParams(max_tokens=tokens, stop_on_loop=config.stop_on_loop)
+    guard = {"no_copy": no_copy, "no_copy_tokens": config.plan_copy_tokens} if no_copy and config.plan_copy_tokens else {}
+    return SamplingParams(max_tokens=tokens, stop_on_loop=config.stop_on_loop, **guard)
 
 
 class Answer(BaseModel):
@@ -288,7 +295,8 @@ class _PlatoRun:
                 # a node with children (or that may get some: the plan is still streaming) keeps its KV
                 may_have_children = not execution.plan_is_complete or execution.has_children(node.id)
                 keep = self.config.follow_up_prompts and may_have_children
-            request = GenerationRequest(prompt_ids=ids, params=node_params(self.config),
+            no_copy = [self.question, *(n.text for n in plan_so_far.nodes)]
+            request = GenerationRequest(prompt_ids=ids, params=node_params(self.config, no_copy),
                                         shared_prefix_len=shared if shared < len(ids) else 0, keep_kv=keep)
             self.shareable_tokens += max((_common_length(ids, seen) for seen in self.computed), default=0)
             self.computed.append(ids)

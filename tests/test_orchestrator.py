@@ -296,3 +296,31 @@ def test_without_follow_up_prompts_every_node_quotes_its_parents_after_the_plan_
     assert all(t.count("<user>") == 2 for t in texts)  # the question, then the node's own message
     four = next(t for t in texts if "Answer part 4" in t)
     assert "Part 2 (Use A for B): answer to Use A for B" in four and "Part 3 (Use A for C): answer to Use A for C" in four
+
+
+def test_plan_nodes_may_not_copy_the_question_or_the_plan_so_far_but_outline_points_may():
+    client = ScriptedClient(DIAMOND)
+    asyncio.run(Orchestrator(client, AnswerConfig()).answer("Q?", "plato"))
+    guards = [(r.params.no_copy, r.params.no_copy_tokens) for r in client.requests]
+    lines = ["Find A", "Use A for B", "Use A for C", "Join B and C"]
+    # node 1 starts as soon as its line is complete, so its guard holds the plan up to that line
+    assert guards[0] == (["Q?", "Find A"], 2) and guards[-1] == (["Q?", *lines], 2)
+    unguarded = ScriptedClient(DIAMOND)
+    asyncio.run(Orchestrator(unguarded, AnswerConfig(plan_copy_tokens=None)).answer("Q?", "plato"))
+    assert all(r.params.no_copy == [] for r in unguarded.requests)
+    points = RecordingPointsClient(DIAMOND)
+    asyncio.run(Orchestrator(points, AnswerConfig()).answer("Q?", "sot"))
+    assert len(points.point_params) == 3 and all(p.no_copy == [] for p in points.point_params)
+
+
+class RecordingPointsClient(ScriptedClient):
+    """Also records the params of every outline point request."""
+
+    def __init__(self, plan_text: str):
+        super().__init__(plan_text)
+        self.point_params = []
+
+    async def generate(self, request: GenerationRequest) -> Result:
+        if "Write only point" in self._text(request.prompt_ids):
+            self.point_params.append(request.params)
+        return await super().generate(request)

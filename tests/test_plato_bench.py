@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.plato_bench import VARIANTS, alone_summary, measure, per_category, report, run
+from bench.plato_bench import VARIANTS, alone_summary, measure, part_checks, per_category, report, run
 from bench.plato_store import PlatoRunStore, turns
 from bench.plato_workers import VariantFailed, VariantWorker
 
@@ -127,6 +127,24 @@ def test_the_report_computes_every_key_from_the_rows_overall_and_per_category():
     assert generic["speedup_vs_sot"] == 1.2 and generic["modes"]["plato"]["fallback_rate"] == 0.5
     assert result["answers"]["plato"][1] == {"id": "q1", "category": "generic", "latency_s": 3.0, "tokens": 10,
                                              "fallback": "cycle", "text": "t"}
+
+
+def test_part_checks_count_empty_parts_and_parts_that_write_a_sub_question_out_again():
+    text = ("**What is A?** A is a letter.\n\n"
+            "**How is B used?** 1. What is A?\n2. How is B used?\n\n"
+            "**Why C?** [not answered: the answer only repeated the question]\n\n"
+            "**Enough light.** Enough light matters.")  # an outline point, not a question: restating it is fine
+    assert part_checks(text) == (4, 1, 1, 1)
+    assert part_checks("a plain answer") == (0, 0, 0, 0)
+
+
+def test_the_part_rates_count_planned_answers_only():
+    planned = row(2.0, planned=True, text="**What is A?** What is A? Indeed.\n\n**Why B?** Because.")
+    fallen_back = row(2.0, planned=True, fallback="cycle", text="**What is A?** [not answered: no answer]")
+    summary = alone_summary([planned, fallen_back, row(1.0)])
+    assert summary["parts_copying_plan_rate"] == 0.5 and summary["parts_unanswered_rate"] == 0.0
+    assert summary["parts_asking_rate"] == 0.5
+    assert alone_summary([row(1.0)])["parts_copying_plan_rate"] is None
 
 
 def test_per_category_counts_the_questions_routed_to_planning():
