@@ -16,10 +16,17 @@ _CODE = re.compile(
     r"data structure|compile|debug)\b", re.I)
 _MATH = re.compile(r"(\d\s*[-+*/^=]\s*\d|\bf\(x\)|\bsolve\b|\bcalculate\b|\bequation\b|\bhow many\b|\bhow much\b)", re.I)
 _NUMBER = re.compile(r"\d+(\.\d+)?")
-_ROLEPLAY = re.compile(r"^(as an? |pretend|imagine you are|you are an? |if you were)|\byou('| a)re an? \w+ (who|reaching)", re.I)
+_ROLEPLAY = re.compile(
+    r"^(as an? |pretend|imagine you are|you are an? |if you were|now you are|suppose you are)|"
+    r"\byou('| a)re an? \w+ (who|reaching)|\b(act as|(take on|assume|embrace|play) the (role|part)|"
+    r"embody the persona|(imagine|picture) yourself as|role-?play)\b", re.I)
 _WRITING = re.compile(
-    r"\b(write|draft|compose|structure)\b.*\b(email|letter|post|review|script|poem|story|essay|announcement|"
-    r"speech|proposal)\b", re.I)
+    r"\b(write|draft|compose|structure|craft|construct|edit|rewrite|paraphrase|proofread)\b.*\b(email|letter|"
+    r"post|review|script|poem|story|essay|announcement|speech|proposal|paragraph|headline|title|slogan|tweet|"
+    r"limerick|lyrics)\b", re.I)
+# an answer in a set form or length: one piece to write, not parts to plan
+_FORMAT = re.compile(r"\b(json|csv|yaml|xml)\b|\b(in|with) (fewer|less) than \w+ (words|sentences|lines|paragraphs)\b",
+                     re.I)
 _SHORT_FACT = re.compile(r"^(what|who|when|where|which)\b", re.I)
 
 Route = Literal["ar", "plato"]
@@ -36,6 +43,8 @@ def route(question: str) -> tuple[Route, str]:
         return "ar", "role-play"
     if _WRITING.search(text):
         return "ar", "a document to write"
+    if _FORMAT.search(text):
+        return "ar", "a set form or length"
     if _SHORT_FACT.search(text) and len(text.split()) <= 8:
         return "ar", "short fact"
     return "plato", "several separable parts"
