@@ -87,7 +87,7 @@ class AnswerConfig(BaseModel):
     plan_copy_tokens: int | None = Field(
         2, ge=1, description="A plan node's answer may copy at most this many tokens of the beginning of the question "
         "or of any sub-question in the plan before the next token is banned (the engine's `no_copy`): shown the "
-        "plan, the embedded model answered 1 node in 9 of the Vicuna-80 run by writing the plan out again. None: "
+        "plan, the embedded model answered about 1 node in 8 of a Vicuna-80 run by writing the plan out again. None: "
         "no guard. Skeleton-of-Thought's points go unguarded, as that paper's baseline has it.")
     plan_presence_penalty: float = Field(
         1.2, ge=0.0, le=2.0, description="Presence penalty while the plan or outline is written: small models "
