@@ -44,9 +44,10 @@ def test_params_validate_the_guard():
 
 @pytest.mark.parametrize("drafts", [0, 4])
 def test_the_engine_never_lets_the_answer_copy_past_the_allowed_tokens(make_engine, tiny_tokenizer, drafts):
-    """The free answer is taken as the text not to copy, and also put in the prompt, where the engine's
-    prompt-lookup drafts find it: the guarded answer starts with the allowed two tokens, then goes
-    elsewhere, and never holds three tokens of the text's beginning in a row, with drafts or without."""
+    """The prompt holds a free answer's text (so the engine's prompt-lookup drafts have copies to
+    propose), and the free answer to that prompt is the text not to copy: the guarded answer starts
+    with its allowed two tokens, then goes elsewhere, and never holds three tokens of its beginning in
+    a row, with drafts or without."""
     prompt = tiny_tokenizer.encode("baba babe babi babo babu", add_special_tokens=False)
 
     def decode(**sampling):
