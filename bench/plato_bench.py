@@ -44,6 +44,10 @@ VARIANTS = {  # name: (mode, AnswerConfig overrides, EngineConfig overrides)
 # 32 sequences of 1,024 tokens): nine did not fit in this box's 24 GB (the page cache thrashed and
 # every variant slowed), so the default is eight and `--variants` names the others.
 DEFAULT_VARIANTS = [name for name in VARIANTS if name != "plato-no-copy-guard"]
+# Part of a run's settings: raised when a change to the code (not to a setting) alters the answers or
+# their timing, so that a resumed run never mixes answers made before it with answers made after.
+# 2: node prompts name their preamble, whose KV serves the first node of every later question.
+ANSWER_REVISION = 2
 PARAGRAPH = re.compile(r"\*\*(.+?)\*\* (.*?)(?=\n\n\*\*|\Z)", re.S)
 
 
@@ -222,7 +226,8 @@ def run(argv: list[str]) -> dict:
 
     # nodes and outline points share the budget (AnswerConfig.nodes_per_budget): budget // 4 each
     base = AnswerConfig(max_tokens=budget, node_max_tokens=budget, plan_max_tokens=96)
-    signature = {"data": args.data, "answer": base.model_dump(), "engine": EngineConfig(**ENGINE).model_dump()}
+    signature = {"data": args.data, "answer": base.model_dump(), "engine": EngineConfig(**ENGINE).model_dump(),
+                 "revision": ANSWER_REVISION}
     store = PlatoRunStore(args.store, signature)
     if args.fresh:
         store.clear()

@@ -269,6 +269,8 @@ class LLMEngine(Engine):
                 if item.prefix_end:
                     after = logits[next(prefix_rows)] if item.prefix_row() is not None else logits[row]
                     self._cache_prefix(sequence, item.prefix_end, after)
+                if sequence.prefix_hit < sequence.request.preamble_len < sequence.num_tokens:
+                    self._cache_preamble(sequence)
                 rows.append(logits[row])
                 row += 1
                 sequence.cached = sequence.num_tokens
@@ -281,6 +283,13 @@ class LLMEngine(Engine):
         key = tuple(sequence.tokens[:length])
         if self.prefix_cache.get(key) is None:
             self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, length), logits_after.clone()))
+
+    def _cache_preamble(self, sequence: _Sequence) -> None:
+        """Keep the KV of the request's preamble, which this prefill has just computed. Without logits:
+        a preamble is never a whole prompt, so the entry only serves prompts that go on past it."""
+        key = tuple(sequence.tokens[: sequence.request.preamble_len])
+        if self.prefix_cache.get(key) is None:
+            self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, len(key)), None))
 
     def _accept(self, batch: list[_Sequence], logits: torch.Tensor) -> None:
         """Append one sampled token to each sequence and decide whether it is done."""

@@ -24,6 +24,7 @@ from graph.router import route
 from graph.prompts import (
     follow_up_messages,
     node_messages,
+    node_preamble,
     plan_messages,
     shared_prefix_messages,
     sot_point_messages,
@@ -120,7 +121,8 @@ class Answer(BaseModel):
     node_prompt_tokens: int = Field(0, description="Node prompt tokens in all (plan nodes, outline points).")
     node_prompt_shareable_tokens: int = Field(
         0, description="Node prompt tokens that an earlier node of the same answer had already computed (the "
-        "longest common start with an earlier node's prompt, or prompt and answer): the most any prefix cache "
+        "longest common start with an earlier node's prompt, or prompt and answer), or at least the preamble "
+        "that node prompts of every question open with: the most any prefix cache "
         "could serve with these prompts.")
 
 
@@ -223,6 +225,7 @@ class _PlatoRun:
         self.shareable_tokens = 0
         self.conversations: dict[int, _NodeConversation] = {}
         self.computed: list[list[int]] = []  # node prompts, and prompts with answers, computed so far
+        self.preamble_ids: list[int] | None = None
 
     async def execute(self) -> Answer:
         plan_result, plan_s = await self._stream_plan()
@@ -295,10 +298,11 @@ class _PlatoRun:
                 # a node with children (or that may get some: the plan is still streaming) keeps its KV
                 may_have_children = not execution.plan_is_complete or execution.has_children(node.id)
                 keep = self.config.follow_up_prompts and may_have_children
+            preamble = await self._preamble_length(ids) if self.config.kv_reuse else 0
             no_copy = [self.question, *(n.text for n in plan_so_far.nodes)]
-            request = GenerationRequest(prompt_ids=ids, params=node_params(self.config, no_copy),
+            request = GenerationRequest(prompt_ids=ids, params=node_params(self.config, no_copy), preamble_len=preamble,
                                         shared_prefix_len=shared if shared < len(ids) else 0, keep_kv=keep)
-            self.shareable_tokens += max((_common_length(ids, seen) for seen in self.computed), default=0)
+            self.shareable_tokens += max((_common_length(ids, seen) for seen in self.computed), default=preamble)
             self.computed.append(ids)
             result = await self.client.generate(request)
         except Exception as exc:  # one failed node must not sink the others
@@ -319,6 +323,16 @@ class _PlatoRun:
         reuse), the later one on a tie; None for a node without parents."""
         parents = [p for p in node.depends_on if p in self.conversations]
         return max(parents, key=lambda p: (self.conversations[p].length, p), default=None)
+
+    async def _preamble_length(self, ids: list[int]) -> int:
+        """How many leading tokens of a node prompt are the preamble that node prompts of every question
+        open with (graph.prompts.node_preamble): computed once per replica, then reused by the first
+        node of every later question too."""
+        if self.preamble_ids is None:
+            self.preamble_ids = await self.client.encode_chat(node_preamble(),
+                                                              add_generation_prompt=False)
+        n = len(self.preamble_ids)
+        return n if n < len(ids) and ids[:n] == self.preamble_ids else 0
 
     async def _plan_prefix_length(self, ids: list[int], plan_so_far: Plan) -> int:
         """How much of a parentless node's prompt to mark as shared: the instructions, the question and

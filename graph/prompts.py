@@ -73,9 +73,16 @@ def plan_messages(question: str, max_nodes: int = DEFAULT_MAX_NODES) -> list[dic
     return _with_examples(system, PLAN_EXAMPLES, question)
 
 
+def node_preamble() -> list[dict]:
+    """What every node prompt of every question starts with: the instructions. Encoded without a
+    generation prompt it is a token prefix of every node prompt (it closes with an end-of-turn token),
+    so its KV, computed once, serves the first node of every question (`GenerationRequest.preamble_len`)."""
+    return [{"role": "system", "content": NODE_SYSTEM}]
+
+
 def shared_prefix_messages(question: str, plan: Plan) -> list[dict]:
-    """The part of every node prompt that is the same for all nodes of a request: instructions,
-    the question as the user asked it, and the plan as an assistant turn.
+    """The part of every node prompt that is the same for all nodes of a request: the preamble
+    (instructions), the question as the user asked it, and the plan as an assistant turn.
 
     Layout guarantee: `encode_chat(shared_prefix_messages(q, plan), add_generation_prompt=False)`
     is a token prefix of `encode_chat(node_messages(q, plan, node, parents))` for every node, so
@@ -89,7 +96,7 @@ def shared_prefix_messages(question: str, plan: Plan) -> list[dict]:
     with all of this one's tokens: only with those up to that last line's text (see
     `streaming_prefix_probe`)."""
     return [
-        {"role": "system", "content": NODE_SYSTEM},
+        *node_preamble(),
         {"role": "user", "content": question},
         {"role": "assistant", "content": plain_plan(plan)},
     ]

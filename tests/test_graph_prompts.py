@@ -14,6 +14,7 @@ from graph.prompts import (
     SOT_EXAMPLES,
     follow_up_messages,
     node_messages,
+    node_preamble,
     node_task,
     plan_messages,
     shared_prefix_messages,
@@ -114,14 +115,25 @@ def test_shared_prefix_tokens_are_a_token_prefix_of_every_node_prompt(which, req
 def test_a_partial_plan_shares_the_question_and_a_text_prefix_of_the_plan():
     partial = Plan(question=QUESTION, nodes=PLAN.nodes[:2])
     early, final = shared_prefix_messages(QUESTION, partial), shared_prefix_messages(QUESTION, PLAN)
-    assert early[:2] == final[:2]
-    assert final[2]["content"].startswith(early[2]["content"]) and final[2] != early[2]
+    assert early[:-1] == final[:-1] and early[-2]["content"] == QUESTION
+    assert final[-1]["content"].startswith(early[-1]["content"]) and final[-1] != early[-1]
+
+
+@pytest.mark.parametrize("which", ["tiny_tokenizer", "bpe_tokenizer"])
+def test_the_preamble_is_a_token_prefix_of_every_node_prompt_of_every_question(which, request):
+    tokenizer = request.getfixturevalue(which)
+    preamble = encode_chat(tokenizer, node_preamble(), add_generation_prompt=False)
+    other = parse_plan("Why is the sky blue?", "1. What is light made of? [needs: none]\n2. Why is blue scattered more? [needs: 1]")
+    for question, plan in ((QUESTION, PLAN), ("Why is the sky blue?", other)):
+        for node in plan.nodes:
+            ids = encode_chat(tokenizer, node_messages(question, plan, node, {}))
+            assert ids[: len(preamble)] == preamble and len(ids) > len(preamble)
 
 
 @pytest.mark.parametrize("which", ["tiny_tokenizer", "bpe_tokenizer"])
 def test_while_the_plan_streams_the_plan_so_far_is_a_token_prefix_of_every_later_node_prompt(which, request):
     tokenizer = request.getfixturevalue(which)
-    question_only = encode_chat(tokenizer, shared_prefix_messages(QUESTION, PLAN)[:2], add_generation_prompt=False)
+    question_only = encode_chat(tokenizer, shared_prefix_messages(QUESTION, PLAN)[:-1], add_generation_prompt=False)
     shared = []
     for seen in (1, 2, 3):
         partial = Plan(question=QUESTION, nodes=PLAN.nodes[:seen])

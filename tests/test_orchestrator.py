@@ -9,6 +9,7 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.types import FinishReason, GenerationRequest, Result, TokenEvent
 from graph.orchestrator import AnswerConfig, EngineClient, Orchestrator
+from graph.prompts import NODE_SYSTEM
 
 DIAMOND = "1. Find A [needs: none]\n2. Use A for B [needs: 1]\n3. Use A for C [needs: 1]\n4. Join B and C [needs: 2, 3]"
 
@@ -263,8 +264,10 @@ def test_a_node_with_parents_continues_its_lead_parents_conversation():
     assert [by_step[s].keep_kv for s in "1234"] == [True, True, True, False]
     assert result.prefix_hit_tokens == sum(r.shared_prefix_len for r in client.requests)
     # what earlier nodes had computed: node 1's prompt and answer (for 2), node 2's prompt up to its
-    # part number (for 3: a cache could serve it, though none was kept), node 3's prompt and answer (for 4)
-    assert result.node_prompt_shareable_tokens == 2 * len(one) + len("</><user>Answer part ") + len(three)
+    # part number (for 3: a cache could serve it, though none was kept), node 3's prompt and answer (for 4);
+    # for node 1, the preamble every question's node prompts open with
+    preamble = f"<system>{NODE_SYSTEM}</>"
+    assert result.node_prompt_shareable_tokens == len(preamble) + 2 * len(one) + len("</><user>Answer part ") + len(three)
 
 
 def test_without_kv_reuse_the_prompts_are_the_same_but_nothing_is_shared_or_kept():
@@ -272,55 +275,70 @@ def test_without_kv_reuse_the_prompts_are_the_same_but_nothing_is_shared_or_kept
     answer(reusing, "plato", pipelining=False)
     result = answer(plain, "plato", pipelining=False, kv_reuse=False)
     assert [r.prompt_ids for r in plain.requests] == [r.prompt_ids for r in reusing.requests]
-    assert not any(r.keep_kv or r.shared_prefix_len for r in plain.requests)
+    assert not any(r.keep_kv or r.shared_prefix_len or r.preamble_len for r in plain.requests)
     assert result.node_prompt_shareable_tokens > 0 and result.prefix_hit_tokens == 0
 
 
-def test_a_parent_whose_answer_was_not_kept_still_leads_but_nothing_is_marked_shared():
-    class ForgetfulClient(ScriptedClient):  # an engine whose cache had no room for the answers
+def test_every_node_request_names_the_preamble_that_node_prompts_of_every_question_open_with():
+    from graph.prompts import node_preamble
+
+    client = ScriptedClient(DIAMOND)
+    result = answer(client, "plato")
+    preamble = asyncio.run(client.encode_chat(node_preamble(), add_generation_prompt=False))
+    assert len(client.requests) == 4
+    for request in client.requests:
+        assert request.preamble_len == len(preamble) and request.prompt_ids[: len(preamble)] == preamble
+        assert request.shared_prefix_len > request.preamble_len
+    # the first node shares nothing with an earlier node of its answer, but its preamble is there to reuse
+    first = client.requests[0]
+    shared_by_others = sum(r.shared_prefix_len for r in client.requests[1:])
+    assert result.node_prompt_shareable_tokens >= len(preamble) + shared_by_others > first.shared_prefix_len
+
+
+def test_the_first_node_of_a_later_question_starts_after_the_cached_preamble(make_engine):
+    """On the tiny real engine, with a given plan (the tiny model cannot plan): two questions one after
+    the other. The first node of the first question finds nothing cached; the first node of the
+    second finds the preamble the first question's nodes left in the engine's cache."""
+    from graph.prompts import node_preamble
+
+    plan = "1. Find A [needs: none]\n2. Find B [needs: none]\n\n"
+
+    class GivenPlanClient(EngineClient):
+        def __init__(self, engine):
+            super().__init__(engine)
+            self.runs: list[tuple[GenerationRequest, Result]] = []  # node requests and their results
+
+        async def _plan(self, request):
+            yield TokenEvent(request_id=request.id, token_ids=[7], text=plan)
+            yield Result(request_id=request.id, prompt_tokens=len(request.prompt_ids), token_ids=[7], text=plan,
+                         finish_reason=FinishReason.STOP, ttft_s=0.0, latency_s=0.0)
+
+        def stream(self, request):
+            return self._plan(request)
+
         async def generate(self, request):
             result = await super().generate(request)
-            result.kept_kv_tokens = 0
+            self.runs.append((request, result))
             return result
 
-    client = ForgetfulClient(DIAMOND)
-    result = answer(client, "plato", pipelining=False)
-    assert result.mode == "plato" and all(n.status.value == "done" for n in result.nodes)
-    assert [r.shared_prefix_len > 0 for r in client.requests] == [True, False, False, False]
+    engine = AsyncEngine(make_engine(max_batch_size=4, max_model_len=512))
+    client = GivenPlanClient(engine)
+    config = AnswerConfig(max_tokens=16, node_max_tokens=4, plan_constraint=None)
 
+    async def main():
+        orchestrator = Orchestrator(client, config)
+        answers = [await orchestrator.answer(q, "plato") for q in ("baba babe", "dada dade dadi")]
+        return answers, await client.encode_chat(node_preamble(), add_generation_prompt=False)
 
-def test_without_follow_up_prompts_every_node_quotes_its_parents_after_the_plan_prefix():
-    client = ScriptedClient(DIAMOND)
-    answer(client, "plato", pipelining=False, follow_up_prompts=False)
-    texts = [ScriptedClient._text(r.prompt_ids) for r in client.requests]
-    assert all(t.count("<user>") == 2 for t in texts)  # the question, then the node's own message
-    four = next(t for t in texts if "Answer part 4" in t)
-    assert "Part 2 (Use A for B): answer to Use A for B" in four and "Part 3 (Use A for C): answer to Use A for C" in four
-
-
-def test_plan_nodes_may_not_copy_the_question_or_the_plan_so_far_but_outline_points_may():
-    client = ScriptedClient(DIAMOND)
-    asyncio.run(Orchestrator(client, AnswerConfig()).answer("Q?", "plato"))
-    guards = [(r.params.no_copy, r.params.no_copy_tokens) for r in client.requests]
-    lines = ["Find A", "Use A for B", "Use A for C", "Join B and C"]
-    # node 1 starts as soon as its line is complete, so its guard holds the plan up to that line
-    assert guards[0] == (["Q?", "Find A"], 2) and guards[-1] == (["Q?", *lines], 2)
-    unguarded = ScriptedClient(DIAMOND)
-    asyncio.run(Orchestrator(unguarded, AnswerConfig(plan_copy_tokens=None)).answer("Q?", "plato"))
-    assert all(r.params.no_copy == [] for r in unguarded.requests)
-    points = RecordingPointsClient(DIAMOND)
-    asyncio.run(Orchestrator(points, AnswerConfig()).answer("Q?", "sot"))
-    assert len(points.point_params) == 3 and all(p.no_copy == [] for p in points.point_params)
-
-
-class RecordingPointsClient(ScriptedClient):
-    """Also records the params of every outline point request."""
-
-    def __init__(self, plan_text: str):
-        super().__init__(plan_text)
-        self.point_params = []
-
-    async def generate(self, request: GenerationRequest) -> Result:
-        if "Write only point" in self._text(request.prompt_ids):
-            self.point_params.append(request.params)
-        return await super().generate(request)
+    try:
+        answers, preamble = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        engine.shutdown()
+    assert [a.mode for a in answers] == ["plato", "plato"] and len(client.runs) == 4
+    assert all(r.preamble_len == len(preamble) for r, _ in client.runs)
+    hits = [result.prefix_hit_tokens for _, result in client.runs]
+    first, later = client.runs[0][0], client.runs[2][0]
+    assert later.prompt_ids[: len(preamble)] == first.prompt_ids[: len(preamble)]
+    assert later.prompt_ids[: later.shared_prefix_len] != first.prompt_ids[: first.shared_prefix_len]
+    assert hits[0] == 0 and hits[2] == len(preamble)
+    assert hits[1] > len(preamble) and hits[3] > len(preamble)  # each question's own shared prefix

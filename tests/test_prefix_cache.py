@@ -214,3 +214,30 @@ def test_an_answer_is_kept_only_when_asked(make_engine):
     engine = make_engine()
     [result] = engine.generate([GenerationRequest(prompt_ids=prompt, params=SamplingParams(max_tokens=4))])
     assert result.kept_kv_tokens == 0 and engine.stats()["prefix_entries"] == 0
+
+
+def test_a_preamble_is_kept_as_its_prompt_is_prefilled_and_serves_prompts_of_other_requests(make_engine, decode_alone):
+    """Node prompts of different questions share only their preamble: the first request's prefill
+    leaves its KV cached beside the request's own shared prefix, the next request starts after it,
+    and the answers are those of prompts decoded alone."""
+    from engine.types import GenerationRequest, SamplingParams
+
+    preamble = [6 + (i * 17) % 230 for i in range(36)]
+    first, second = preamble + [11, 12, 13, 14], preamble + [21, 22, 23]
+    engine = make_engine()
+    params = SamplingParams(max_tokens=5)
+    [one] = engine.generate([GenerationRequest(prompt_ids=first, params=params, preamble_len=len(preamble),
+                                               shared_prefix_len=len(first) - 1)])
+    entry = engine.export_prefix(preamble)
+    assert entry is not None and entry.last_logits is None
+    assert engine.export_prefix(first[:-1]) is not None  # the request's own shared prefix as well
+    [two] = engine.generate([GenerationRequest(prompt_ids=second, params=params, preamble_len=len(preamble))])
+    assert one.prefix_hit_tokens == 0 and two.prefix_hit_tokens == len(preamble)
+    assert engine.stats()["prefill_tokens"] == len(first) + 3
+    assert one.token_ids == decode_alone(first, max_tokens=5).token_ids
+    assert two.token_ids == decode_alone(second, max_tokens=5).token_ids
+
+
+def test_a_preamble_longer_than_the_prompt_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="preamble_len"):
+        GenerationRequest(prompt_ids=[1, 2, 3], preamble_len=4)
