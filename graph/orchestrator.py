@@ -329,8 +329,7 @@ class _PlatoRun:
         open with (graph.prompts.node_preamble): computed once per replica, then reused by the first
         node of every later question too."""
         if self.preamble_ids is None:
-            self.preamble_ids = await self.client.encode_chat(node_preamble(),
-                                                              add_generation_prompt=False)
+            self.preamble_ids = await self.client.encode_chat(node_preamble(), add_generation_prompt=False)
         n = len(self.preamble_ids)
         return n if n < len(ids) and ids[:n] == self.preamble_ids else 0
 

@@ -306,7 +306,7 @@ def test_the_first_node_of_a_later_question_starts_after_the_cached_preamble(mak
     class GivenPlanClient(EngineClient):
         def __init__(self, engine):
             super().__init__(engine)
-            self.runs: list[tuple[GenerationRequest, Result]] = []  # node requests and their results
+            self.runs: list[list] = []  # [request, result] of each node request, in the order sent
 
         async def _plan(self, request):
             yield TokenEvent(request_id=request.id, token_ids=[7], text=plan)
@@ -317,9 +317,10 @@ def test_the_first_node_of_a_later_question_starts_after_the_cached_preamble(mak
             return self._plan(request)
 
         async def generate(self, request):
-            result = await super().generate(request)
-            self.runs.append((request, result))
-            return result
+            run = [request, None]
+            self.runs.append(run)  # in the order sent (the engine admits them so), not the order they finish
+            run[1] = await super().generate(request)
+            return run[1]
 
     engine = AsyncEngine(make_engine(max_batch_size=4, max_model_len=512))
     client = GivenPlanClient(engine)
