@@ -343,3 +343,53 @@ def test_the_first_node_of_a_later_question_starts_after_the_cached_preamble(mak
     assert later.prompt_ids[: later.shared_prefix_len] != first.prompt_ids[: first.shared_prefix_len]
     assert hits[0] == 0 and hits[2] == len(preamble)
     assert hits[1] > len(preamble) and hits[3] > len(preamble)  # each question's own shared prefix
+
+
+def test_a_parent_whose_answer_was_not_kept_still_leads_but_nothing_is_marked_shared():
+    class ForgetfulClient(ScriptedClient):  # an engine whose cache had no room for the answers
+        async def generate(self, request):
+            result = await super().generate(request)
+            result.kept_kv_tokens = 0
+            return result
+
+    client = ForgetfulClient(DIAMOND)
+    result = answer(client, "plato", pipelining=False)
+    assert result.mode == "plato" and all(n.status.value == "done" for n in result.nodes)
+    assert [r.shared_prefix_len > 0 for r in client.requests] == [True, False, False, False]
+
+
+def test_without_follow_up_prompts_every_node_quotes_its_parents_after_the_plan_prefix():
+    client = ScriptedClient(DIAMOND)
+    answer(client, "plato", pipelining=False, follow_up_prompts=False)
+    texts = [ScriptedClient._text(r.prompt_ids) for r in client.requests]
+    assert all(t.count("<user>") == 2 for t in texts)  # the question, then the node's own message
+    four = next(t for t in texts if "Answer part 4" in t)
+    assert "Part 2 (Use A for B): answer to Use A for B" in four and "Part 3 (Use A for C): answer to Use A for C" in four
+
+
+def test_plan_nodes_may_not_copy_the_question_or_the_plan_so_far_but_outline_points_may():
+    client = ScriptedClient(DIAMOND)
+    asyncio.run(Orchestrator(client, AnswerConfig()).answer("Q?", "plato"))
+    guards = [(r.params.no_copy, r.params.no_copy_tokens) for r in client.requests]
+    lines = ["Find A", "Use A for B", "Use A for C", "Join B and C"]
+    # node 1 starts as soon as its line is complete, so its guard holds the plan up to that line
+    assert guards[0] == (["Q?", "Find A"], 2) and guards[-1] == (["Q?", *lines], 2)
+    unguarded = ScriptedClient(DIAMOND)
+    asyncio.run(Orchestrator(unguarded, AnswerConfig(plan_copy_tokens=None)).answer("Q?", "plato"))
+    assert all(r.params.no_copy == [] for r in unguarded.requests)
+    points = RecordingPointsClient(DIAMOND)
+    asyncio.run(Orchestrator(points, AnswerConfig()).answer("Q?", "sot"))
+    assert len(points.point_params) == 3 and all(p.no_copy == [] for p in points.point_params)
+
+
+class RecordingPointsClient(ScriptedClient):
+    """Also records the params of every outline point request."""
+
+    def __init__(self, plan_text: str):
+        super().__init__(plan_text)
+        self.point_params = []
+
+    async def generate(self, request: GenerationRequest) -> Result:
+        if "Write only point" in self._text(request.prompt_ids):
+            self.point_params.append(request.params)
+        return await super().generate(request)
