@@ -270,7 +270,8 @@ class LLMEngine(Engine):
                     after = logits[next(prefix_rows)] if item.prefix_row() is not None else logits[row]
                     self._cache_prefix(sequence, item.prefix_end, after)
                 if sequence.prefix_hit < sequence.request.preamble_len < sequence.num_tokens:
-                    self._cache_preamble(sequence)
+                    # no logits: a preamble is never a whole prompt, so it only serves prompts that go on past it
+                    self._cache_prefix(sequence, sequence.request.preamble_len, None)
                 rows.append(logits[row])
                 row += 1
                 sequence.cached = sequence.num_tokens
@@ -279,17 +280,11 @@ class LLMEngine(Engine):
         self._accept(admitted, torch.stack(rows))
         return admitted
 
-    def _cache_prefix(self, sequence: _Sequence, length: int, logits_after: torch.Tensor) -> None:
+    def _cache_prefix(self, sequence: _Sequence, length: int, logits_after: torch.Tensor | None) -> None:
         key = tuple(sequence.tokens[:length])
         if self.prefix_cache.get(key) is None:
-            self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, length), logits_after.clone()))
-
-    def _cache_preamble(self, sequence: _Sequence) -> None:
-        """Keep the KV of the request's preamble, which this prefill has just computed. Without logits:
-        a preamble is never a whole prompt, so the entry only serves prompts that go on past it."""
-        key = tuple(sequence.tokens[: sequence.request.preamble_len])
-        if self.prefix_cache.get(key) is None:
-            self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, len(key)), None))
+            logits = logits_after.clone() if logits_after is not None else None
+            self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, length), logits))
 
     def _accept(self, batch: list[_Sequence], logits: torch.Tensor) -> None:
         """Append one sampled token to each sequence and decide whether it is done."""
