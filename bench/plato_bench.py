@@ -39,15 +39,18 @@ VARIANTS = {  # name: (mode, AnswerConfig overrides, EngineConfig overrides)
     "plato-no-drafts": ("plato", {}, {"speculative_tokens": 0}),
     # nodes free to write the plan's sub-questions out again (AnswerConfig.plan_copy_tokens)
     "plato-no-copy-guard": ("plato", {"plan_copy_tokens": None}, {}),
+    # a node admitted while the plan (or other nodes) decodes prefilled in a pass of its own
+    "plato-no-mixed-batches": ("plato", {}, {"mixed_batches": False}),
 }
 # Each variant's process holds an engine of its own, about 2.6 GB here (the model, and a KV cache for
 # 32 sequences of 1,024 tokens): nine did not fit in this box's 24 GB (the page cache thrashed and
 # every variant slowed), so the default is eight and `--variants` names the others.
-DEFAULT_VARIANTS = [name for name in VARIANTS if name != "plato-no-copy-guard"]
+DEFAULT_VARIANTS = [name for name in VARIANTS if name not in ("plato-no-copy-guard", "plato-no-mixed-batches")]
 # Part of a run's settings: raised when a change to the code (not to a setting) alters the answers or
 # their timing, so that a resumed run never mixes answers made before it with answers made after.
 # 2: node prompts name their preamble, whose KV serves the first node of every later question.
-ANSWER_REVISION = 2
+# 3: prompts admitted while others decode are prefilled in their decode pass (EngineConfig.mixed_batches).
+ANSWER_REVISION = 3
 PARAGRAPH = re.compile(r"\*\*(.+?)\*\* (.*?)(?=\n\n\*\*|\Z)", re.S)
 
 
@@ -197,7 +200,8 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--budget", type=int, default=None, help="answer-token budget of every mode")
     parser.add_argument("--planning-only", action="store_true", help="only the questions the router sends to plato")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help=f"comma-separated, of {', '.join(VARIANTS)} (default: all but plato-no-copy-guard; "
+                        help=f"comma-separated, of {', '.join(VARIANTS)} (default: all but plato-no-copy-guard and "
+                        "plato-no-mixed-batches; "
                         "ar and plato give the keys)")
     parser.add_argument("--in-flight", type=int, default=16,
                         help="how many of the questions (the first) are sent at once for the throughput figures")
@@ -280,6 +284,7 @@ def report(args, rows: list[dict], budget: int, answers: dict[str, list[dict]], 
         "throughput_vs_ar": _ratio(per_minute("plato"), per_minute("ar")),
         "pipeline_gain": _ratio(latency("plato-no-pipeline"), latency("plato")),
         "jump_forward_gain": _ratio(latency("plato-no-jump-forward"), latency("plato")),
+        "mixed_batch_gain": _ratio(latency("plato-no-mixed-batches"), latency("plato")),
         "draft_gain_ar": _ratio(latency("ar-no-drafts"), latency("ar")),
         "draft_gain_plato": _ratio(latency("plato-no-drafts"), latency("plato")),
         "speedup_vs_ar_without_drafts": _ratio(latency("ar-no-drafts"), latency("plato-no-drafts")),
@@ -304,7 +309,8 @@ def report(args, rows: list[dict], budget: int, answers: dict[str, list[dict]], 
                 [[c, v["questions"], v["routed_to_plato"], *(v["modes"][n]["latency_mean_s"] for n in shown),
                   v["speedup_vs_ar"], v["speedup_vs_sot"]] for c, v in result["categories"].items()]))
     print({k: result[k] for k in ("speedup_vs_ar", "speedup_vs_ar_planned", "speedup_vs_ar_auto", "throughput_vs_ar",
-                                  "pipeline_gain", "jump_forward_gain", "draft_gain_ar", "draft_gain_plato",
+                                  "pipeline_gain", "jump_forward_gain", "mixed_batch_gain", "draft_gain_ar",
+                                  "draft_gain_plato",
                                   "speedup_vs_ar_without_drafts", "kv_reuse_overhead_cut", "kv_reuse_ceiling",
                                   "plan_valid_rate", "router_accuracy")})
     return result

@@ -39,6 +39,10 @@ class EngineConfig(BaseModel):
         True, description="Under a decoding constraint, append the tokens the constraint forces (only one token "
         "may come next) without a decode step each: they run together in the next forward pass. The text is the "
         "same; plan lines have about a quarter of their tokens forced.")
+    mixed_batches: bool = Field(
+        True, description="Prefill the prompts admitted in a step in the running batch's decode pass, not in a "
+        "pass of their own before it: a pass has a fixed cost (every weight is read once), about a batch-1 decode "
+        "step on CPU, which the admitted prompts then share with the decodes.")
     speculative_tokens: int = Field(
         4, ge=0, le=16, description="Prompt-lookup decoding: each step may also check up to this many tokens per "
         "sequence, drafted from what followed the last earlier occurrence of its final few tokens in its own prompt "

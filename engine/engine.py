@@ -53,6 +53,17 @@ class _Sequence:
         return prompt[position] if position < len(prompt) else self.generated[position - len(prompt)]
 
 
+@dataclass
+class _Admission:
+    """The requests admitted in one step: their sequences in slot order, the uncached part of each
+    prompt that still needs a forward pass (`items`, in the same order, for those with any), and the
+    stored logits of those whose whole prompt was a cached prefix."""
+
+    sequences: list[_Sequence] = field(default_factory=list)
+    items: list[PrefillItem] = field(default_factory=list)
+    cached_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class LLMEngine(Engine):
     """Continuous batching: sequence i of the running batch lives in KV slot i; a finished sequence
     frees its slot at once (the last running sequence moves into it), and waiting requests are
@@ -73,7 +84,7 @@ class LLMEngine(Engine):
         self._results: dict[str, Result] = {}
         self._order = itertools.count()
         self._stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0, "step_s": 0.0,
-                       "forced_tokens": 0, "draft_tokens": 0, "accepted_draft_tokens": 0}
+                       "forced_tokens": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "mixed_steps": 0}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -141,22 +152,35 @@ class LLMEngine(Engine):
     def step(self) -> list[TokenEvent]:
         started = time.perf_counter()
         self._stats["steps"] += 1
-        admitted = self._admit()
-        self._release_finished(admitted)
-        batch = list(self._running)
-        if batch:
-            self._decode(batch)
-            self._release_finished(batch)
+        running = list(self._running)
+        admission = self._select_admissions()
+        if running and admission.items and self.config.mixed_batches:
+            # one forward pass: the running batch decodes while the admitted prompts prefill beside it
+            self._stats["mixed_steps"] += 1
+            self._decode(running, admission)
+            self._release_finished(admission.sequences + running)
+            batch = running
+        else:
+            if admission.sequences:
+                self._settle_admission(admission, self.runner.prefill(admission.items) if admission.items else None)
+                self._release_finished(admission.sequences)
+            batch = list(self._running)
+            if batch:
+                self._decode(batch)
+                self._release_finished(batch)
+        admitted = admission.sequences
         seen = {id(s) for s in admitted}
         touched = admitted + [s for s in batch if id(s) not in seen]
         events = [self._event(s) for s in touched if s.new_tokens or s.finish]
         self._stats["step_s"] += time.perf_counter() - started  # time in steps: where a host slows the engine
         return events
 
-    def _decode(self, batch: list[_Sequence]) -> None:
+    def _decode(self, batch: list[_Sequence], admission: _Admission | None = None) -> None:
         """One forward pass for the running batch. Tokens a constraint forced (appended by `_take`
         without steps of their own) run in it after their sequence's decode token, and so do drafted
-        tokens (`engine.drafts`), which are kept as far as the model agrees with them."""
+        tokens (`engine.drafts`), which are kept as far as the model agrees with them. With
+        `admission`, the admitted prompts' uncached tokens run in it too (their first tokens come
+        from it), rather than in a prefill pass of their own before it."""
         device = self.runner.device
         tokens = torch.tensor([s.token_at(s.cached) for s in batch], device=device)
         positions = torch.tensor([s.cached for s in batch], device=device)
@@ -174,11 +198,16 @@ class LLMEngine(Engine):
                 known_rows[row] = rows.pop(0)
             draft_rows[id(s)] = rows
             self._stats["forced_tokens"] += len(forced)
-        logits = self.runner.decode(tokens, positions, extend)
+        prompts = admission.items if admission is not None else []
+        logits = self.runner.decode(tokens, positions, extend + prompts)
         for s in batch:
             s.cached = s.num_tokens
-        self._accept(batch, logits[known_rows] if extend else logits)
+        self._accept(batch, logits[known_rows] if extend or prompts else logits)
         self._verify_drafts(batch, drafts, draft_rows, logits)
+        if admission is not None:
+            # the runner gives the prompts' last-token rows after the other items' rows, then the rows
+            # after their shared prefixes: the layout `runner.prefill` returns for them alone
+            self._settle_admission(admission, logits[offset:])
 
     def _drafts(self, batch: list[_Sequence]) -> dict[int, list[int]]:
         """Prompt-lookup drafts to check in this step, while the batch is small enough to spare the rows."""
@@ -225,16 +254,17 @@ class LLMEngine(Engine):
             if sequence.finish is not None and sequence.slot >= 0:
                 self._release(sequence)
 
-    def _admit(self) -> list[_Sequence]:
-        """Move waiting requests into free slots and prefill them; returns the admitted ones."""
-        admitted, items, budget = [], [], self.config.max_prefill_tokens
-        whole_prompt_cached, caching = {}, set()
+    def _select_admissions(self) -> _Admission:
+        """Move waiting requests into free slots (a cached prefix's KV written in) and say what of
+        their prompts is still to compute; the forward pass that computes it is the caller's."""
+        admission, budget = _Admission(), self.config.max_prefill_tokens
+        caching = set()
         while self._waiting and len(self._running) < self.runner.max_slots:
             sequence = self._waiting[0][2]
             todo = sequence.tokens
             hit = self.prefix_cache.longest_match(todo, count=False)
             need = len(todo) - (len(hit.token_ids) if hit else 0)
-            if admitted and need > budget:
+            if admission.sequences and need > budget:
                 break
             # a shared prefix not cached yet is cached as this prefill passes it: no step of its own
             shared = sequence.request.shared_prefix_len
@@ -248,21 +278,25 @@ class LLMEngine(Engine):
             budget -= need
             sequence.slot = len(self._running)
             self._running.append(sequence)
-            admitted.append(sequence)
+            admission.sequences.append(sequence)
             if hit is not None:
                 self.runner.write_slot(sequence.slot, hit.kv)
                 sequence.prefix_hit = len(hit.token_ids)
-                whole_prompt_cached[id(sequence)] = hit.last_logits
+                admission.cached_logits[id(sequence)] = hit.last_logits
             sequence.cached = sequence.prefix_hit
             if need:
-                items.append(PrefillItem(sequence.slot, todo[sequence.prefix_hit :], sequence.prefix_hit,
-                                         prefix_end=to_cache))
-        if not admitted:
-            return []
-        logits = self.runner.prefill(items) if items else None
+                admission.items.append(PrefillItem(sequence.slot, todo[sequence.prefix_hit :], sequence.prefix_hit,
+                                                   prefix_end=to_cache))
+        return admission
+
+    def _settle_admission(self, admission: _Admission, logits: torch.Tensor | None) -> None:
+        """After the pass that computed the admitted prompts (`logits`: each item's last token's row, in
+        item order, then the rows after their shared prefixes, for the items that ask): cache those
+        prefixes and preambles, and sample each admitted sequence's first token."""
+        items = admission.items
         prefix_rows = iter(range(len(items), len(logits))) if items else iter(())
         rows, row = [], 0
-        for sequence in admitted:
+        for sequence in admission.sequences:
             if sequence.cached < sequence.num_tokens:
                 self._stats["prefill_tokens"] += sequence.num_tokens - sequence.cached
                 item = items[row]
@@ -276,9 +310,8 @@ class LLMEngine(Engine):
                 row += 1
                 sequence.cached = sequence.num_tokens
             else:  # the whole prompt was a cached prefix: its stored logits give the first token
-                rows.append(whole_prompt_cached[id(sequence)])
-        self._accept(admitted, torch.stack(rows))
-        return admitted
+                rows.append(admission.cached_logits[id(sequence)])
+        self._accept(admission.sequences, torch.stack(rows))
 
     def _cache_prefix(self, sequence: _Sequence, length: int, logits_after: torch.Tensor | None) -> None:
         key = tuple(sequence.tokens[:length])

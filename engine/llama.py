@@ -191,8 +191,10 @@ class LlamaRunner:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, extend: list[PrefillItem] = ()) -> torch.Tensor:
         """One token for each of the sequences in slots 0..B-1; returns float32 logits [B, vocab].
         `extend`: more tokens for some of those sequences, right after their decode token, run in
-        the same pass (a constraint's forced tokens, drafted tokens to verify); the logits of each
-        item's last `logit_rows` tokens follow the B rows, item after item.
+        the same pass (a constraint's forced tokens, drafted tokens to verify), or for sequences in
+        other slots (B and up) that do not decode (prompts being prefilled); the logits of each
+        item's last `logit_rows` tokens follow the B rows, item after item, then those after each
+        `prefix_end` that falls inside its item, as `prefill` gives them.
         The matmuls compute every row on its own, so the decode rows get the same bits either way."""
         batch = tokens.shape[0]
         slots = torch.arange(batch, device=self.device)
@@ -230,6 +232,7 @@ class LlamaRunner:
             x = self._mlp(layer, x)
         if extend:
             rows = list(range(batch)) + [r for it, (_, hi) in zip(extend, bounds) for r in range(hi - it.logit_rows, hi)]
+            rows += [lo + it.prefix_row() for it, (lo, _) in zip(extend, bounds) if it.prefix_row() is not None]
             x = x[torch.tensor(rows, device=self.device)]
         return self.logits(x)
 

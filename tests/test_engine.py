@@ -67,16 +67,23 @@ def test_both_decode_attention_paths_match_hf(tiny_model, fused):
             torch.testing.assert_close(decode[row], expected, atol=1e-5, rtol=1e-5)
 
 
+def two_runners_decoding(tiny_model, fused: bool, a: list[int], b: list[int], max_slots: int):
+    """Two identical runners with prompts `a` and `b` prefilled in slots 0 and 1, ready to decode."""
+    runners = [LlamaRunner(tiny_model, max_slots=max_slots, max_len=64) for _ in range(2)]
+    with torch.no_grad():
+        for runner in runners:
+            runner.fused_decode_attention = fused
+            runner.prefill([PrefillItem(0, a, 0), PrefillItem(1, b, 0)])
+    return runners
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["matmul-attention", "sdpa-attention"])
 def test_decode_with_extra_tokens_for_one_sequence_keeps_the_decode_rows_bit_identical(tiny_model, fused):
     """Forced tokens run in the decode pass after their sequence's decode token: the decode rows get
     the same bits as without them, and the extra rows' last logits are that sequence's next."""
     a, b = ids(11, 3), ids(5, 4)
-    plain, extended = (LlamaRunner(tiny_model, max_slots=2, max_len=64) for _ in range(2))
+    plain, extended = two_runners_decoding(tiny_model, fused, a, b, max_slots=2)
     with torch.no_grad():
-        for runner in (plain, extended):
-            runner.fused_decode_attention = fused
-            runner.prefill([PrefillItem(0, a, 0), PrefillItem(1, b, 0)])
         tokens, positions = torch.tensor([9, 99]), torch.tensor([len(a), len(b)])
         alone = plain.decode(tokens, positions)
         both = extended.decode(tokens, positions, [PrefillItem(1, [40, 41, 42], len(b) + 1)])
@@ -86,6 +93,26 @@ def test_decode_with_extra_tokens_for_one_sequence_keeps_the_decode_rows_bit_ide
         # the slot holds the extra tokens' KV: decoding on from there matches the model
         after = extended.decode(torch.tensor([9, 7]), torch.tensor([len(a) + 1, len(b) + 4]))
         torch.testing.assert_close(after[1], tiny_model(torch.tensor([b + [99, 40, 41, 42, 7]])).logits[0, -1],
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul-attention", "sdpa-attention"])
+def test_a_prompt_prefilled_in_the_decode_pass_gets_its_logits_and_leaves_the_decode_rows_alone(tiny_model, fused):
+    """A prompt for a slot that does not decode (an admitted request) runs in the running batch's pass:
+    the decode rows keep their bits, and its last row and the row after its shared prefix are the model's."""
+    a, b, prompt = ids(11, 5), ids(5, 6), ids(12, 7)
+    plain, mixed = two_runners_decoding(tiny_model, fused, a, b, max_slots=3)
+    with torch.no_grad():
+        tokens, positions = torch.tensor([9, 99]), torch.tensor([len(a), len(b)])
+        alone = plain.decode(tokens, positions)
+        out = mixed.decode(tokens, positions, [PrefillItem(2, prompt, 0, prefix_end=7)])
+        assert out.shape[0] == 4 and torch.equal(out[:2], alone)
+        reference = tiny_model(torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(out[2], reference[-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[3], reference[6], atol=1e-5, rtol=1e-5)
+        # slot 2 holds the prompt's KV: it decodes on as the model does
+        after = mixed.decode(torch.tensor([9, 7, 8]), torch.tensor([len(a) + 1, len(b) + 1, len(prompt)]))
+        torch.testing.assert_close(after[2], tiny_model(torch.tensor([prompt + [8]])).logits[0, -1],
                                    atol=1e-5, rtol=1e-5)
 
 
@@ -161,8 +188,9 @@ def test_request_added_mid_run_joins_before_long_ones_finish(make_engine, decode
         events = engine.step()
         steps += 1
         late_tokens += [t for e in events if e.request_id == "late" for t in e.token_ids]
+        assert late_tokens, "the new request should be admitted at once, not after the batch drains"
         assert {e.request_id for e in events} >= {"long1", "long2"}  # still running alongside
-    assert steps <= 3, "the new request should be admitted at once, not after the batch drains"
+    assert steps == 4  # its prompt prefills in the batch's decode pass, which gives it its first token
     assert late_tokens == decode_alone(ids(6, 42), max_tokens=4).token_ids
     assert engine.stats()["running"] == 2
 

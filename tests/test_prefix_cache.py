@@ -241,3 +241,53 @@ def test_a_preamble_is_kept_as_its_prompt_is_prefilled_and_serves_prompts_of_oth
 def test_a_preamble_longer_than_the_prompt_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="preamble_len"):
         GenerationRequest(prompt_ids=[1, 2, 3], preamble_len=4)
+
+
+def test_prompts_admitted_while_others_decode_prefill_in_their_pass_with_the_same_answers(make_engine):
+    """With `mixed_batches`, a request admitted while others decode is prefilled in their decode pass,
+    not in a pass of its own: caching a shared prefix and a preamble on the way, or starting from a
+    cached whole prompt. Every answer, prefix hit and cache entry is the same as with the two passes."""
+    preamble = [5 + (i * 3) % 200 for i in range(6)]
+    prefix = preamble + [60 + (i * 7) % 150 for i in range(18)]
+    requests = [  # (step to add it at, request)
+        (0, GenerationRequest(id="long", prompt_ids=[9, 8, 7, 6, 5], params=SamplingParams(max_tokens=30))),
+        (2, GenerationRequest(id="node1", prompt_ids=prefix + [11, 12], params=SamplingParams(max_tokens=8),
+                              shared_prefix_len=len(prefix), preamble_len=len(preamble))),
+        (2, GenerationRequest(id="other", prompt_ids=preamble + [40, 41, 42], preamble_len=len(preamble),
+                              params=SamplingParams(max_tokens=6, temperature=0.9, seed=3))),
+        (5, GenerationRequest(id="node2", prompt_ids=prefix + [21, 22, 23], params=SamplingParams(max_tokens=8),
+                              shared_prefix_len=len(prefix))),
+        (7, GenerationRequest(id="again", prompt_ids=list(prefix), params=SamplingParams(max_tokens=5))),
+        (9, GenerationRequest(id="after_preamble", prompt_ids=preamble + [70, 71], params=SamplingParams(max_tokens=4))),
+    ]
+
+    def run(mixed: bool):
+        engine = make_engine(max_batch_size=4, mixed_batches=mixed)
+        prefills, prefill = [], engine.runner.prefill
+        engine.runner.prefill = lambda items: prefills.append(len(items)) or prefill(items)
+        step = 0
+        while step <= max(at for at, _ in requests) or engine.has_work():
+            for at, request in requests:
+                if at == step:
+                    engine.add(request.model_copy())
+            engine.step()
+            step += 1
+        results = {r.id: engine.pop_result(r.id) for _, r in requests}
+        return engine, prefills, results
+
+    mixed, mixed_prefills, got = run(True)
+    apart, apart_prefills, want = run(False)
+    for rid in want:
+        assert got[rid].token_ids == want[rid].token_ids, rid
+        assert got[rid].prefix_hit_tokens == want[rid].prefix_hit_tokens, rid
+    assert got["node2"].prefix_hit_tokens == got["again"].prefix_hit_tokens == len(prefix)
+    assert got["after_preamble"].prefix_hit_tokens == len(preamble)
+    assert mixed_prefills == [1]  # only "long", which nothing ran beside
+    assert apart_prefills == [1, 2, 1, 1]  # "again" needs none: its whole prompt is cached
+    assert mixed.stats()["mixed_steps"] == 3 and apart.stats()["mixed_steps"] == 0
+    assert mixed.stats()["prefill_tokens"] == apart.stats()["prefill_tokens"]
+    assert mixed.stats()["prefix_entries"] == apart.stats()["prefix_entries"] == 2
+    for key in (tuple(preamble), tuple(prefix)):
+        a, b = mixed.prefix_cache.get(key), apart.prefix_cache.get(key)
+        assert all(torch.equal(x, y) for x, y in zip(a.kv, b.kv))
+        assert (a.last_logits is None) == (b.last_logits is None)
