@@ -78,18 +78,18 @@ class PromptKV:
     lengths: torch.Tensor
 
     @classmethod
-    def empty(cls, config, batch: int) -> PromptKV:
-        return cls(DynamicCache(config=config), torch.zeros(batch, 0, dtype=torch.long),
-                   torch.zeros(batch, dtype=torch.long))
+    def empty(cls, config, batch: int, device: torch.device | str = "cpu") -> PromptKV:
+        return cls(DynamicCache(config=config), torch.zeros(batch, 0, dtype=torch.long, device=device),
+                   torch.zeros(batch, dtype=torch.long, device=device))
 
     @classmethod
     def stack(cls, config, rows: list[KV], first_layer: int = 0, dtype: torch.dtype | None = None) -> PromptKV:
         """Batch per-prompt KV whose layers start at `first_layer` (the cache's lower layers stay empty)."""
         layers, heads, _, dim = rows[0][0].shape
         lengths = [k.shape[2] for k, _ in rows]
-        dtype = dtype or rows[0][0].dtype
-        keys = torch.zeros(2, layers, len(rows), heads, max(lengths), dim, dtype=dtype)
-        mask = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+        dtype, device = dtype or rows[0][0].dtype, rows[0][0].device
+        keys = torch.zeros(2, layers, len(rows), heads, max(lengths), dim, dtype=dtype, device=device)
+        mask = torch.zeros(len(rows), max(lengths), dtype=torch.long, device=device)
         for i, (k, v) in enumerate(rows):
             keys[0, :, i, :, : lengths[i]] = k
             keys[1, :, i, :, : lengths[i]] = v
@@ -97,7 +97,7 @@ class PromptKV:
         cache = DynamicCache(config=config)
         for j in range(layers):
             cache.layers[first_layer + j].update(keys[0, j], keys[1, j])
-        return cls(cache, mask, torch.tensor(lengths))
+        return cls(cache, mask, torch.tensor(lengths, device=device))
 
     def rows(self, first_layer: int = 0) -> list[KV]:
         """Per-prompt KV of layers `first_layer`.., padding dropped (copies, safe to keep)."""
@@ -196,7 +196,9 @@ class LengthRegressor(nn.Module):
         super().__init__()
         self.decoder = decoder  # a HF *Model (embeddings, layers, norm, rotary), not the LM head
         self.readout = readout or RegressionReadout(max_tokens)
-        self.head = nn.Linear(decoder.config.hidden_size, self.readout.outputs)
+        # On the decoder's device (a GPU replica's), in float32 whatever the decoder's dtype.
+        device = next(decoder.parameters()).device
+        self.head = nn.Linear(decoder.config.hidden_size, self.readout.outputs, device=device)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
         self.max_tokens = max_tokens
@@ -228,7 +230,8 @@ class LengthRegressor(nn.Module):
         layers = [layer for layer in kv.cache.layers[start:] if layer.is_initialized]
         saved = [(layer.keys, layer.values) for layer in layers]
         try:
-            hidden, _ = self.extend(kv, suffix, torch.ones(suffix.shape[:2], dtype=torch.long), start)
+            hidden, _ = self.extend(kv, suffix, torch.ones(suffix.shape[:2], dtype=torch.long, device=suffix.device),
+                                    start)
         finally:
             for layer, (keys, values) in zip(layers, saved):
                 layer.keys, layer.values = keys, values
@@ -279,7 +282,9 @@ def prefill(model: LengthRegressor | PeftModel, ids: torch.Tensor, mask: torch.T
     """The plain serving model (adapter off) over right-padded prompt ids that follow `kv` (or start
     fresh). Returns the extended KV and the new tokens' final hidden states (before the norm)."""
     regressor = regressor_of(model)
-    kv = kv if kv is not None else PromptKV.empty(regressor.decoder.config, ids.shape[0])
+    device = regressor.head.weight.device
+    ids, mask = ids.to(device), mask.to(device)
+    kv = kv if kv is not None else PromptKV.empty(regressor.decoder.config, ids.shape[0], device)
     with adapter_off(model):
         hidden, kv = regressor.extend(kv, regressor.decoder.embed_tokens(ids), mask)
     return kv, hidden
@@ -294,7 +299,7 @@ def predict_estimates(model: LengthRegressor | PeftModel, kv: PromptKV, suffix_i
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """`predict_lengths` and, from the same pass, the expected lengths (`readout.expected`)."""
     regressor = regressor_of(model)
-    out = regressor.suffix_output(kv, regressor.decoder.embed_tokens(suffix_ids))
+    out = regressor.suffix_output(kv, regressor.decoder.embed_tokens(suffix_ids.to(regressor.head.weight.device)))
     return regressor.readout.lengths(out), regressor.readout.expected(out)
 
 
@@ -306,8 +311,9 @@ def suffix_features(regressor: LengthRegressor, ids: torch.Tensor, mask: torch.T
     kv, _ = prefill(regressor, ids, mask)
     rows = kv.rows(start)
     with adapter_off(regressor):
+        suffix_ids = suffix_ids.to(regressor.head.weight.device)
         embedded = regressor.decoder.embed_tokens(suffix_ids)
-        hidden, _ = regressor.extend(kv, embedded, torch.ones(suffix_ids.shape, dtype=torch.long), 0, start)
+        hidden, _ = regressor.extend(kv, embedded, torch.ones_like(suffix_ids), 0, start)
     return rows, hidden
 
 

@@ -70,6 +70,14 @@ def two_pass(model, prompts):
     return predict_lengths(model, kv, torch.tensor([SUFFIX] * len(prompts)))
 
 
+def test_the_head_is_made_where_the_decoder_is(tiny_model):
+    """A GPU replica's decoder is on cuda: a head left on the CPU fails its first prediction
+    (seen on an H200). The meta device stands in for cuda here."""
+    decoder = copy.deepcopy(tiny_model).model.to(device="meta", dtype=torch.bfloat16)
+    head = LengthRegressor(decoder, max_tokens=200).head
+    assert head.weight.device.type == "meta" and head.weight.dtype == torch.float32
+
+
 def test_batched_predictions_equal_one_at_a_time(regressor):
     model = adapted(regressor)
     prompts = sequences(6, seed=1)
