@@ -204,6 +204,10 @@ class LengthRegressor(nn.Module):
         self.max_tokens = max_tokens
 
     @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    @property
     def num_layers(self) -> int:
         return len(self.decoder.layers)
 
@@ -282,9 +286,8 @@ def prefill(model: LengthRegressor | PeftModel, ids: torch.Tensor, mask: torch.T
     """The plain serving model (adapter off) over right-padded prompt ids that follow `kv` (or start
     fresh). Returns the extended KV and the new tokens' final hidden states (before the norm)."""
     regressor = regressor_of(model)
-    device = regressor.head.weight.device
-    ids, mask = ids.to(device), mask.to(device)
-    kv = kv if kv is not None else PromptKV.empty(regressor.decoder.config, ids.shape[0], device)
+    ids, mask = ids.to(regressor.device), mask.to(regressor.device)
+    kv = kv if kv is not None else PromptKV.empty(regressor.decoder.config, ids.shape[0], regressor.device)
     with adapter_off(model):
         hidden, kv = regressor.extend(kv, regressor.decoder.embed_tokens(ids), mask)
     return kv, hidden
@@ -299,7 +302,7 @@ def predict_estimates(model: LengthRegressor | PeftModel, kv: PromptKV, suffix_i
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """`predict_lengths` and, from the same pass, the expected lengths (`readout.expected`)."""
     regressor = regressor_of(model)
-    out = regressor.suffix_output(kv, regressor.decoder.embed_tokens(suffix_ids.to(regressor.head.weight.device)))
+    out = regressor.suffix_output(kv, regressor.decoder.embed_tokens(suffix_ids.to(regressor.device)))
     return regressor.readout.lengths(out), regressor.readout.expected(out)
 
 
@@ -311,7 +314,7 @@ def suffix_features(regressor: LengthRegressor, ids: torch.Tensor, mask: torch.T
     kv, _ = prefill(regressor, ids, mask)
     rows = kv.rows(start)
     with adapter_off(regressor):
-        suffix_ids = suffix_ids.to(regressor.head.weight.device)
+        suffix_ids = suffix_ids.to(regressor.device)
         embedded = regressor.decoder.embed_tokens(suffix_ids)
         hidden, _ = regressor.extend(kv, embedded, torch.ones_like(suffix_ids), 0, start)
     return rows, hidden

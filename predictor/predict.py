@@ -150,7 +150,7 @@ class LengthPredictor:
 
     def _hf_prompt_pass(self, cut, prefixes, given):
         config = self.regressor.decoder.config
-        kv = PromptKV.empty(config, len(cut), self.regressor.head.weight.device)
+        kv = PromptKV.empty(config, len(cut), self.regressor.device)
         if any(given):
             kv = PromptKV.stack(config, [(p.kv[0][:, :, :g], p.kv[1][:, :, :g]) if p is not None else _no_kv(prefixes)
                                          for p, g in zip(prefixes, given)])

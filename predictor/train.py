@@ -83,8 +83,8 @@ def advanced(regressor: LengthRegressor, features: list[dict], have: int, start:
             kv = PromptKV.stack(regressor.decoder.config, [(features[i]["keys"], features[i]["values"]) for i in group],
                                 have, torch.float32)
             suffix = torch.stack([features[i]["suffix"] for i in group])
-            hidden, _ = regressor.extend(kv, suffix, torch.ones(suffix.shape[:2], dtype=torch.long, device=suffix.device), have,
-                                         start)
+            mask = torch.ones(suffix.shape[:2], dtype=torch.long, device=suffix.device)
+            hidden, _ = regressor.extend(kv, suffix, mask, have, start)
             for row, i in enumerate(group):
                 skip = start - have
                 moved[i] = {"keys": features[i]["keys"][skip:], "values": features[i]["values"][skip:],
