@@ -13,6 +13,7 @@ SCENARIOS = {
     "schedule": "bench.schedule_bench",
     "schedule-sim": "bench.schedule_sim",
     "serve": "bench.serve_bench",
+    "steps": "bench.step_bench",
 }
 
 

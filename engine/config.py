@@ -56,6 +56,10 @@ class EngineConfig(BaseModel):
     speculative_min_ngram: int = Field(
         2, ge=1, le=8, description="Shortest tail n-gram a draft may be looked up by: a single recurring token "
         "predicts the next one too rarely to pay for its rows.")
+    cuda_graphs: bool = Field(
+        True, description="On CUDA, replay each plain decode step (one token per running sequence) as a CUDA graph, "
+        "captured on first use per batch-size and attention-span bucket: eager, a small model's step is bound by "
+        "Python and kernel launches, not by the GPU. No effect on the CPU.")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: all cores torch sees.")
     cache_dir: str | None = Field(
         None, description="Where converted embedded weights are cached; default ~/.cache/plato-serve."

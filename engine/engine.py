@@ -75,7 +75,7 @@ class LLMEngine(Engine):
         self.model_name = model_name or config.served_model_name or config.model
         context = getattr(hf_model.config, "max_position_embeddings", None) or config.max_model_len
         self.max_model_len = min(config.max_model_len, context)
-        self.runner = LlamaRunner(hf_model, config.max_batch_size, self.max_model_len)
+        self.runner = LlamaRunner(hf_model, config.max_batch_size, self.max_model_len, config.cuda_graphs)
         self.stop_token_ids = _stop_token_ids(hf_model, tokenizer)
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes)
         self._waiting: list[tuple[int, int, _Sequence]] = []
@@ -475,6 +475,7 @@ class LLMEngine(Engine):
             "prefix_hits": cache.hits,
             "prefix_misses": cache.misses,
             "prefix_hit_tokens": cache.hit_tokens,
+            "graph_replays": self.runner.graphs.replays if self.runner.graphs is not None else 0,
         }
 
 

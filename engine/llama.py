@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.graphs import DecodeGraphs
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -94,7 +96,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 class LlamaRunner:
     """Holds fused weights and the KV cache; runs prefill and decode. No scheduling here."""
 
-    def __init__(self, hf_model, max_slots: int, max_len: int):
+    def __init__(self, hf_model, max_slots: int, max_len: int, cuda_graphs: bool = False):
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -125,6 +127,10 @@ class LlamaRunner:
         shape = (len(self.layers), max_slots + 1, self.num_kv_heads, max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # set here, or by a test that runs the padded pass eagerly on the CPU
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self.plain_decode, max_slots, max_len, self.device, capture=True)
 
     @property
     def scratch_slot(self) -> int:
@@ -187,7 +193,6 @@ class LlamaRunner:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.final_hidden(x)).float()
 
-    @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, extend: list[PrefillItem] = ()) -> torch.Tensor:
         """One token for each of the sequences in slots 0..B-1; returns float32 logits [B, vocab].
         `extend`: more tokens for some of those sequences, right after their decode token, run in
@@ -195,10 +200,24 @@ class LlamaRunner:
         other slots (B and up) that do not decode (prompts being prefilled); the logits of each
         item's last `logit_rows` tokens follow the B rows, item after item, then those after each
         `prefix_end` that falls inside its item, as `prefill` gives them.
-        The matmuls compute every row on its own, so the decode rows get the same bits either way."""
+        The matmuls compute every row on its own, so the decode rows get the same bits either way.
+        A plain pass (no `extend`) replays a CUDA graph where the runner has them (engine.graphs)."""
+        if self.graphs is not None and not extend:
+            return self.graphs.decode(tokens, positions)
+        return self._decode(tokens, positions, extend)
+
+    def plain_decode(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """The plain pass with attention over a fixed `span` of cache positions: no host sync and
+        no shape that depends on the values, as a CUDA graph needs."""
+        return self._decode(tokens, positions, (), span)
+
+    @torch.inference_mode()
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, extend: list[PrefillItem] = (),
+                span: int | None = None) -> torch.Tensor:
         batch = tokens.shape[0]
         slots = torch.arange(batch, device=self.device)
-        span = int(positions.max()) + 1
+        if span is None:
+            span = int(positions.max()) + 1
         hidden = (torch.arange(span, device=self.device)[None] > positions[:, None])[:, None, None]
         if extend:
             tokens = torch.cat([tokens, torch.tensor([t for it in extend for t in it.token_ids], device=self.device)])

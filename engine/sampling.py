@@ -41,6 +41,9 @@ def sample(
     given, holds per row None or a bool mask of the tokens a constraint allows (see
     `engine.constraints`); disallowed tokens get no probability, greedy or sampled. `histories`
     holds each row's generated tokens, for presence and frequency penalties."""
+    plain = all(p.greedy and not (p.presence_penalty or p.frequency_penalty) for p in params)
+    if plain and (masks is None or all(m is None for m in masks)):
+        return logits.argmax(dim=-1).tolist()  # where the logits are: a GPU sends back B ids, not B x vocab floats
     logits = logits.cpu()
     if histories is not None and any(p.presence_penalty or p.frequency_penalty for p in params):
         logits = _apply_penalties(logits, params, histories)
