@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
+DEFAULT_SPECULATIVE_TOKENS = 4
 
 
 class EngineConfig(BaseModel):
@@ -43,11 +44,13 @@ class EngineConfig(BaseModel):
         True, description="Prefill the prompts admitted in a step in the running batch's decode pass, not in a "
         "pass of their own before it: a pass has a fixed cost (every weight is read once), about a batch-1 decode "
         "step on CPU, which the admitted prompts then share with the decodes.")
-    speculative_tokens: int = Field(
-        4, ge=0, le=16, description="Prompt-lookup decoding: each step may also check up to this many tokens per "
+    speculative_tokens: int | None = Field(
+        None, ge=0, le=16, description="Prompt-lookup decoding: each step may also check up to this many tokens per "
         "sequence, drafted from what followed the last earlier occurrence of its final few tokens in its own prompt "
         "and answer, in the same forward pass; a drafted token is kept only where the model would have chosen it "
-        "(the answer is the same), saving a step each. 0: off.")
+        f"(the answer is the same), saving a step each. 0: off. Default: {DEFAULT_SPECULATIVE_TOKENS}, or 0 where "
+        "decode steps replay CUDA graphs (a pass with drafts runs eagerly, several times slower there than the graph "
+        "it replaces).")
     speculative_max_batch: int = Field(
         4, ge=1, description="Draft only while at most this many sequences decode: checking drafts adds rows to "
         "the pass, nearly free where a step is bound by reading the weights (a small batch), not for a large one.")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.base import Engine
-from engine.config import EngineConfig
+from engine.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
 from engine.constraints import TokenConstraint, make_constraint
 from engine.copies import CopyGuard
 from engine.detokenize import IncrementalDetokenizer
@@ -76,6 +76,9 @@ class LLMEngine(Engine):
         context = getattr(hf_model.config, "max_position_embeddings", None) or config.max_model_len
         self.max_model_len = min(config.max_model_len, context)
         self.runner = LlamaRunner(hf_model, config.max_batch_size, self.max_model_len, config.cuda_graphs)
+        self.speculative_tokens = config.speculative_tokens
+        if self.speculative_tokens is None:
+            self.speculative_tokens = 0 if self.runner.graphs is not None else DEFAULT_SPECULATIVE_TOKENS
         self.stop_token_ids = _stop_token_ids(hf_model, tokenizer)
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes)
         self._waiting: list[tuple[int, int, _Sequence]] = []
@@ -211,7 +214,7 @@ class LLMEngine(Engine):
 
     def _drafts(self, batch: list[_Sequence]) -> dict[int, list[int]]:
         """Prompt-lookup drafts to check in this step, while the batch is small enough to spare the rows."""
-        most = self.config.speculative_tokens
+        most = self.speculative_tokens
         if not most or len(batch) > self.config.speculative_max_batch:
             return {}
         drafts = {}
