@@ -36,10 +36,12 @@ class EngineConfig(BaseModel):
     prefix_cache_bytes: int = Field(
         256 * 2**20, ge=0, description="Memory bound of the prefix KV LRU; 0 disables prefix reuse."
     )
-    jump_forward: bool = Field(
-        True, description="Under a decoding constraint, append the tokens the constraint forces (only one token "
+    jump_forward: bool | None = Field(
+        None, description="Under a decoding constraint, append the tokens the constraint forces (only one token "
         "may come next) without a decode step each: they run together in the next forward pass. The text is the "
-        "same; plan lines have about a quarter of their tokens forced.")
+        "same; plan lines have about a quarter of their tokens forced. Default: on, or off where decode steps "
+        "replay CUDA graphs (a pass with forced tokens runs eagerly, and on the H200 one eager pass cost about "
+        "what four graphed steps do).")
     mixed_batches: bool = Field(
         True, description="Prefill the prompts admitted in a step in the running batch's decode pass, not in a "
         "pass of their own before it: a pass has a fixed cost (every weight is read once), about a batch-1 decode "

@@ -76,9 +76,13 @@ class LLMEngine(Engine):
         context = getattr(hf_model.config, "max_position_embeddings", None) or config.max_model_len
         self.max_model_len = min(config.max_model_len, context)
         self.runner = LlamaRunner(hf_model, config.max_batch_size, self.max_model_len, config.cuda_graphs)
+        # passes that are not plain (drafted or forced tokens in them) run eagerly: where plain ones replay
+        # graphs, both are off unless asked for
+        graphed = self.runner.graphs is not None
         self.speculative_tokens = config.speculative_tokens
         if self.speculative_tokens is None:
-            self.speculative_tokens = 0 if self.runner.graphs is not None else DEFAULT_SPECULATIVE_TOKENS
+            self.speculative_tokens = 0 if graphed else DEFAULT_SPECULATIVE_TOKENS
+        self.jump_forward = not graphed if config.jump_forward is None else config.jump_forward
         self.stop_token_ids = _stop_token_ids(hf_model, tokenizer)
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes)
         self._waiting: list[tuple[int, int, _Sequence]] = []
@@ -333,7 +337,7 @@ class LLMEngine(Engine):
                 continue
             sequence.first_token_at = sequence.first_token_at or now
             self._take(sequence, token)
-            while sequence.finish is None and sequence.constraint is not None and self.config.jump_forward:
+            while sequence.finish is None and sequence.constraint is not None and self.jump_forward:
                 forced = sequence.constraint.forced()
                 if forced is None:
                     break

@@ -85,6 +85,13 @@ def test_passes_with_extra_tokens_stay_ragged(make_engine):
     assert 0 < len(seen) < engine.stats()["steps"]  # some passes went the fixed way, some the ragged way
 
 
+def test_drafts_and_jump_forward_default_on_without_graphs_and_as_set(make_engine):
+    engine = make_engine()
+    assert engine.runner.graphs is None and engine.jump_forward and engine.speculative_tokens == 4
+    engine = make_engine(jump_forward=False, speculative_tokens=2)
+    assert not engine.jump_forward and engine.speculative_tokens == 2
+
+
 def test_capture_is_refused_off_cuda(make_engine):
     runner = make_engine().runner
     with pytest.raises(ValueError, match="cuda_graphs"):
@@ -100,6 +107,9 @@ def test_cuda_graphs_give_the_eager_answers(tiny_model, tiny_tokenizer):
     eager = LLMEngine(model, tiny_tokenizer, EngineConfig(max_batch_size=4, cuda_graphs=False))
     graphed = LLMEngine(model, tiny_tokenizer, EngineConfig(max_batch_size=4))
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
+    # passes with drafted or forced tokens would run eagerly: off by default where steps are graphed
+    assert graphed.speculative_tokens == 0 and not graphed.jump_forward
+    assert eager.speculative_tokens == 4 and eager.jump_forward
     assert _answers(graphed, PROMPTS) == _answers(eager, PROMPTS)
     assert graphed.runner.graphs.captured > 0 and graphed.stats()["graph_replays"] > 0
     seeded = {"temperature": 0.8, "seed": 3}
