@@ -48,3 +48,10 @@ def table(headers: list[str], rows: list[list]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     line = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
     return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells[1:])])
+
+
+def device_signature(device: torch.device, dtype: torch.dtype) -> dict:
+    """What a kept run's signature adds for where it ran: nothing on the CPU (the folders of the runs kept
+    before this was added stay theirs), the device and dtype elsewhere, so a run on a GPU never resumes
+    answers or timings made on the CPU, nor the other way round."""
+    return {} if device.type == "cpu" else {"device": f"{device.type} {str(dtype).replace('torch.', '')}"}

@@ -19,10 +19,11 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import REPO, RESULTS, load_jsonl, machine, table, write_result
+from bench.common import REPO, RESULTS, device_signature, load_jsonl, machine, table, write_result
 from bench.plato_store import PlatoRunStore, turns
 from bench.plato_workers import VariantWorker
 from engine.config import EngineConfig
+from engine.loader import select_device_and_dtype
 from graph.orchestrator import AnswerConfig
 from graph.router import route
 
@@ -231,7 +232,7 @@ def run(argv: list[str]) -> dict:
     # nodes and outline points share the budget (AnswerConfig.nodes_per_budget): budget // 4 each
     base = AnswerConfig(max_tokens=budget, node_max_tokens=budget, plan_max_tokens=96)
     signature = {"data": args.data, "answer": base.model_dump(), "engine": EngineConfig(**ENGINE).model_dump(),
-                 "revision": ANSWER_REVISION}
+                 "revision": ANSWER_REVISION, **device_signature(*select_device_and_dtype(EngineConfig(**ENGINE)))}
     store = PlatoRunStore(args.store, signature)
     if args.fresh:
         store.clear()

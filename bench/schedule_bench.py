@@ -57,7 +57,7 @@ import statistics
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
-from bench.common import RESULTS, machine, table, write_result
+from bench.common import RESULTS, device_signature, machine, table, write_result
 from bench.schedule_policies import (Job, PolicyClock, PolicyRun, binned_turns, box_speed, continuous_turns,
                                      drain, run_in_turns, running_clock, summarize)
 from engine.config import EngineConfig
@@ -594,7 +594,7 @@ def run(argv: list[str]) -> dict:
     store = RunStore(args.store, {
         "n": n, "seed": args.seed, "rows": [r["id"] for r in chosen], "labels": [r["label"] for r in chosen],
         "model": config.model, "max_tokens": max_tokens, "edges": EDGES,
-        "vanilla_batch": VANILLA_BATCH, "vbs_max_batch": VBS_MAX_BATCH,
+        "vanilla_batch": VANILLA_BATCH, "vbs_max_batch": VBS_MAX_BATCH, **device_signature(device, dtype),
         # a burst's runs keep the folder they had; a stream's before PREDICTS_A_QUEUE predicted every arrival
         **({} if args.rate is None else {"rate": args.rate, "predicts": PREDICTS_A_QUEUE})},
         predictor=predictor_signature(args.adapter))
