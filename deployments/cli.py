@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--stream", action="store_true", help="Print tokens as they are decoded.")
     _job_parser(commands)
     bench = _command(commands, "bench", _bench, "run a benchmark: the same as `python -m bench <scenario> ...`")
-    bench.add_argument("scenario", help="engine, plato, judge, schedule or serve")
+    bench.add_argument("scenario", help="engine, steps, plato, judge, schedule, schedule-sim or serve")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="Passed on to the scenario.")
     return parser
 

@@ -108,7 +108,9 @@ class DecodeGraphs:
                 self.forward(tokens, positions, span)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a length predictor or another engine working on the GPU from another thread of
+        # the same replica neither breaks the capture nor lands in it
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self.forward(tokens, positions, span)
         entry = self._graphs[(padded, span)] = _Graph(graph, logits)
         return entry
