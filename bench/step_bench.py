@@ -17,8 +17,6 @@ import argparse
 import random
 import time
 
-import torch
-
 from bench.common import machine, table, write_result
 from bench.random_model import SHAPES, random_model, word_tokenizer
 from engine.config import EngineConfig

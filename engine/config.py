@@ -41,7 +41,7 @@ class EngineConfig(BaseModel):
         "may come next) without a decode step each: they run together in the next forward pass. The text is the "
         "same; plan lines have about a quarter of their tokens forced. Default: on, or off where decode steps "
         "replay CUDA graphs (a pass with forced tokens runs eagerly, and on the H200 one eager pass cost about "
-        "what four graphed steps do).")
+        "what five graphed steps do).")
     mixed_batches: bool = Field(
         True, description="Prefill the prompts admitted in a step in the running batch's decode pass, not in a "
         "pass of their own before it: a pass has a fixed cost (every weight is read once), about a batch-1 decode "

@@ -2,8 +2,8 @@
 
 A decode step of a small model (or of a 7B one at small batch) is a few hundred small kernels; run
 eagerly, launching them costs more than the GPU's work (measured on an H200 with the embedded
-135M model: about 17 ms a step at any batch size, where the arithmetic is well under 1 ms). A CUDA
-graph replays all of a step's kernels with one launch. A graph fixes its tensors' shapes, so one is
+135M model: 8.8 ms a step at batch 1 and 11.8 at 16, where the arithmetic is well under 1 ms). A
+CUDA graph replays all of a step's kernels with one launch (1.9 and 2.2 ms there). A graph fixes its tensors' shapes, so one is
 captured per (batch bucket, attention span bucket) the first time a step needs it: the batch is
 padded up to a bucket (1, 2, 4, 8, ... up to the cache's slots) and attention runs over a span
 bucket (256, 512, ... up to the cache's length) with the positions past each row's own masked.
@@ -51,8 +51,8 @@ def _bucket(value: int, buckets: list[int]) -> int:
 
 @dataclass
 class _Graph:
-    graph: "torch.cuda.CUDAGraph | None"
-    logits: torch.Tensor | None  # the graph's output buffer, overwritten by every replay
+    graph: "torch.cuda.CUDAGraph"
+    logits: torch.Tensor  # the graph's output buffer, overwritten by every replay
 
 
 class DecodeGraphs:
@@ -77,7 +77,7 @@ class DecodeGraphs:
     @property
     def captured(self) -> int:
         """Graphs captured so far."""
-        return sum(g.graph is not None for g in self._graphs.values())
+        return len(self._graphs)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
