@@ -5,7 +5,8 @@ Each batch size decodes `--new-tokens` tokens for each of B prompts of `--prompt
 tokens (end token ignored, drafts off, so every step after the first is a plain decode pass), first
 once untimed (a graph is captured the first time a shape needs it), then timed, the two engines
 alternating `--repeats` times, the best of each counting. Reports milliseconds per step and tokens/s.
-Without CUDA there are no graphs and only the eager engine is timed.
+Without CUDA there are no graphs and only the eager engine is timed. Beside it, one prefill pass over
+the B prompts, their attention item by item against in padded groups (engine.item_attention).
 
 `--shape` runs a model of a published shape with random weights (speed does not depend on them), so
 no model files are needed; `--model` runs real weights instead (the embedded default, a directory).
@@ -21,6 +22,7 @@ from bench.common import machine, table, write_result
 from bench.random_model import SHAPES, random_model, word_tokenizer
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.llama import PrefillItem
 from engine.loader import load_hf_model, resolve_model_dir, select_device_and_dtype
 from engine.types import GenerationRequest, SamplingParams
 
@@ -41,6 +43,15 @@ def decode_seconds(engine: LLMEngine, prompts: list[list[int]], new_tokens: int)
     for request_id in ids:
         engine.pop_result(request_id)
     return seconds, steps
+
+
+def prefill_seconds(runner, prompts: list[list[int]], grouped: bool) -> float:
+    """Seconds of one prefill pass over `prompts` (into slots 0, 1, ...), their attention item by
+    item or in padded groups (engine.item_attention)."""
+    runner.batched_item_attention = grouped
+    started = time.perf_counter()
+    runner.prefill([PrefillItem(slot, prompt, 0) for slot, prompt in enumerate(prompts)]).cpu()
+    return time.perf_counter() - started
 
 
 def run(argv: list[str]) -> dict:
@@ -85,9 +96,17 @@ def run(argv: list[str]) -> dict:
             entry[f"{name}_tok_s"] = round(batch * steps / seconds, 1)
         if "graphs" in best:
             entry["graph_speedup"] = round(entry["eager_ms_per_step"] / entry["graphs_ms_per_step"], 2)
+        runner, default = systems["eager"].runner, systems["eager"].runner.batched_item_attention
+        for grouped in (False, True):  # untimed first: kernel choice
+            prefill_seconds(runner, prompts[:batch], grouped)
+        for name, grouped in (("per_item", False), ("grouped", True)):
+            seconds = min(prefill_seconds(runner, prompts[:batch], grouped) for _ in range(args.repeats))
+            entry[f"prefill_{name}_ms"] = round(1000 * seconds, 2)
+        runner.batched_item_attention = default
         per_batch[str(batch)] = entry
         rows.append([batch] + [entry.get(k, "-") for k in ("eager_ms_per_step", "graphs_ms_per_step", "graph_speedup",
-                                                            "eager_tok_s", "graphs_tok_s")])
+                                                            "eager_tok_s", "graphs_tok_s", "prefill_per_item_ms",
+                                                            "prefill_grouped_ms")])
     graphs = systems.get("graphs")
     result = {
         "model": f"random weights, {args.shape} shape" if args.shape else config.model,
@@ -101,6 +120,7 @@ def run(argv: list[str]) -> dict:
         "machine": machine(),
     }
     path = write_result(f"steps_{args.shape}" if args.shape else "steps", result)
-    print(table(["batch", "eager ms/step", "graphs ms/step", "speedup", "eager tok/s", "graphs tok/s"], rows))
+    print(table(["batch", "eager ms/step", "graphs ms/step", "speedup", "eager tok/s", "graphs tok/s",
+                 "prefill ms, item by item", "prefill ms, grouped"], rows))
     print(f"\nwrote {path}")
     return result

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.graphs import DecodeGraphs
+from engine.item_attention import ItemAttention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -112,6 +113,7 @@ class LlamaRunner:
         self.max_len = max_len
         self.max_slots = max_slots
         self.fused_decode_attention = self.device.type != "cpu"
+        self.batched_item_attention = self.device.type != "cpu"  # see engine.item_attention
         self.layers = [self._fuse(layer) for layer in inner.layers]
         self.embed = inner.embed_tokens.weight.detach()
         self.final_norm = inner.norm.weight.detach()
@@ -224,6 +226,7 @@ class LlamaRunner:
             positions = torch.cat([positions, *(torch.arange(it.start, it.start + len(it.token_ids), device=self.device)
                                                 for it in extend)])
         bounds = row_ranges(extend, batch)
+        plan = ItemAttention(extend, bounds, self.device) if extend and self.batched_item_attention else None
         rope = self._rope(positions)
         group = self.num_heads // self.num_kv_heads
         x = F.embedding(tokens, self.embed)
@@ -231,7 +234,9 @@ class LlamaRunner:
             q, k, v = self._qkv(layer, x, rope)
             self.k_cache[i, slots, :, positions[:batch]] = k[:batch]
             self.v_cache[i, slots, :, positions[:batch]] = v[:batch]
-            for it, (lo, hi) in zip(extend, bounds):
+            if plan is not None:
+                plan.write_kv(self.k_cache, self.v_cache, i, k, v)
+            for it, (lo, hi) in zip(extend if plan is None else (), bounds):
                 self.k_cache[i, it.slot, :, it.start : it.start + hi - lo] = k[lo:hi].transpose(0, 1)
                 self.v_cache[i, it.slot, :, it.start : it.start + hi - lo] = v[lo:hi].transpose(0, 1)
             keys, values = self.k_cache[i, :batch, :, :span], self.v_cache[i, :batch, :, :span]
@@ -243,7 +248,10 @@ class LlamaRunner:
                 scores = (qd @ keys.transpose(-1, -2) * self.head_dim**-0.5).masked_fill_(hidden, float("-inf"))
                 attn = scores.softmax(dim=-1) @ values
             attn = attn.reshape(batch, -1)
-            if extend:
+            if plan is not None:
+                more = plan.attend(q, self.k_cache, self.v_cache, i)
+                attn = torch.cat([attn, more.reshape(more.shape[0], -1)])
+            elif extend:
                 more = [self._prefill_attention(q[lo:hi], i, it.slot, it.start, it.start + hi - lo)
                         for it, (lo, hi) in zip(extend, bounds)]
                 attn = torch.cat([attn, *(m.reshape(m.shape[0], -1) for m in more)])
@@ -277,13 +285,18 @@ class LlamaRunner:
         positions = torch.cat([torch.arange(it.start, it.start + len(it.token_ids)) for it in items])
         positions = positions.to(self.device)
         bounds = row_ranges(items)
+        plan = ItemAttention(items, bounds, self.device) if self.batched_item_attention else None
         rope = self._rope(positions)
         if x is None:
             x = F.embedding(tokens, self.embed)
         for i, layer in enumerate(layers, start=first):
             q, k, v = self._qkv(layer, x, rope)
-            out = torch.empty_like(q)
-            for it, (lo, hi) in zip(items, bounds):
+            if plan is not None:
+                plan.write_kv(self.k_cache, self.v_cache, i, k, v)
+                out = plan.attend(q, self.k_cache, self.v_cache, i)
+            else:
+                out = torch.empty_like(q)
+            for it, (lo, hi) in zip(items if plan is None else (), bounds):
                 end = it.start + (hi - lo)
                 self.k_cache[i, it.slot, :, it.start:end] = k[lo:hi].transpose(0, 1)
                 self.v_cache[i, it.slot, :, it.start:end] = v[lo:hi].transpose(0, 1)

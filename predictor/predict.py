@@ -172,7 +172,8 @@ class LeanPromptPass:
     prompts of the schedule benchmark's workload (2-core CPU, quiet) it took 25.8 s against 34.8 s for
     the Hugging Face modules, as long as the engine's own prefill of them (25.9 s); and what it
     computes is exactly what the decoder's own prefill computes, so the KV handed to the
-    decoder is bit for bit the decoder's.
+    decoder is bit for bit the decoder's (on the CPU: on a GPU both group items' attention by length,
+    engine.item_attention, and the groups differ in the last bits).
 
     The length question (the suffix) runs in the same pass: below the first adapted layer it is just
     more tokens after each prompt (the adapter leaves those layers alone); from there on it runs
@@ -229,7 +230,7 @@ class LeanPromptPass:
         an earlier one): all together up to the first adapted layer; then the prompts through the rest
         of the plain layers, and after them the suffixes through the adapted copies (a suffix attends to
         its prompt's KV of each layer, in place by then). A prompt's tokens are their own item, so their
-        attention, and with it their KV, is bit for bit what a plain prefill computes."""
+        attention, and with it their KV, is bit for bit what a plain prefill computes (on the CPU)."""
         runner, first = self.runner, self.first_adapted
         x, bounds = runner.run_layers(pack, runner.layers[:first])
         parts = {}

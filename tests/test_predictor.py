@@ -276,6 +276,20 @@ def test_the_hf_passes_give_the_same_lengths_and_kv_as_the_lean_ones(tiny_model,
     assert max(abs(a - b) for a, b in zip(lean.estimate_with_kv(prompts)[1], expected)) > 1.0
 
 
+def test_the_lean_pass_with_grouped_attention_gives_the_same_estimates_and_kv(tiny_model, tiny_tokenizer, saved):
+    """Off the CPU the prompt pass groups its prompts' and questions' attention by length
+    (engine.item_attention): the same lengths, and estimates and KV to float rounding."""
+    per_item = predictor_on(tiny_model, tiny_tokenizer, saved, batch_size=4)
+    grouped = predictor_on(tiny_model, tiny_tokenizer, saved, batch_size=4)
+    grouped.lean.runner.batched_item_attention = True
+    prompts = sequences(9, seed=11)
+    lengths, expected, entries = per_item.estimate_with_kv(prompts)
+    got_lengths, got_expected, got_entries = grouped.estimate_with_kv(prompts)
+    assert got_lengths == lengths and got_expected == pytest.approx(expected, rel=1e-5)
+    for a, b in zip(got_entries, entries):
+        assert torch.allclose(a.kv[0], b.kv[0], atol=1e-5) and torch.allclose(a.last_logits, b.last_logits, atol=1e-4)
+
+
 def test_the_lean_prompt_pass_packs_prompts_and_refuses_what_it_cannot_hold(tiny_model, tiny_tokenizer, saved):
     from predictor.predict import LeanPromptPass, _packs
     from engine.llama import PrefillItem

@@ -30,6 +30,7 @@ def test_steps_times_the_eager_engine_on_a_cpu(tmp_path, monkeypatch):
     for batch in ("1", "2"):  # no graphs without CUDA: the eager engine alone
         entry = result["batches"][batch]
         assert entry["eager_ms_per_step"] > 0 and "graphs_ms_per_step" not in entry
+        assert entry["prefill_per_item_ms"] > 0 and entry["prefill_grouped_ms"] > 0
         tok_s = int(batch) * 1000 / entry["eager_ms_per_step"]
         assert entry["eager_tok_s"] == pytest.approx(tok_s, rel=0.02, abs=0.1)  # tok/s is kept to 0.1
     assert json.loads((tmp_path / "steps_smollm2-135m.json").read_text())["batches"] == result["batches"]
