@@ -65,7 +65,7 @@ class ItemAttention:
         for n, (it, (lo, hi)) in enumerate(zip(items, bounds)):
             rows += range(lo, hi)
             padded += range(n * longest, n * longest + hi - lo)
-            # a padding query stands at the item's first position: it sees something, and is dropped
+            # a padding query stands at the item's last position: it sees something, and is dropped
             query_positions.append([it.start + min(j, hi - lo - 1) for j in range(longest)])
         positions = torch.tensor(query_positions, device=self.device)
         mask = torch.arange(span, device=self.device)[None, None] <= positions[:, :, None]

@@ -236,9 +236,10 @@ class LlamaRunner:
             self.v_cache[i, slots, :, positions[:batch]] = v[:batch]
             if plan is not None:
                 plan.write_kv(self.k_cache, self.v_cache, i, k, v)
-            for it, (lo, hi) in zip(extend if plan is None else (), bounds):
-                self.k_cache[i, it.slot, :, it.start : it.start + hi - lo] = k[lo:hi].transpose(0, 1)
-                self.v_cache[i, it.slot, :, it.start : it.start + hi - lo] = v[lo:hi].transpose(0, 1)
+            else:
+                for it, (lo, hi) in zip(extend, bounds):
+                    self.k_cache[i, it.slot, :, it.start : it.start + hi - lo] = k[lo:hi].transpose(0, 1)
+                    self.v_cache[i, it.slot, :, it.start : it.start + hi - lo] = v[lo:hi].transpose(0, 1)
             keys, values = self.k_cache[i, :batch, :, :span], self.v_cache[i, :batch, :, :span]
             if self.fused_decode_attention:
                 attn = F.scaled_dot_product_attention(q[:batch, :, None], keys, values, attn_mask=~hidden,
@@ -296,11 +297,11 @@ class LlamaRunner:
                 out = plan.attend(q, self.k_cache, self.v_cache, i)
             else:
                 out = torch.empty_like(q)
-            for it, (lo, hi) in zip(items if plan is None else (), bounds):
-                end = it.start + (hi - lo)
-                self.k_cache[i, it.slot, :, it.start:end] = k[lo:hi].transpose(0, 1)
-                self.v_cache[i, it.slot, :, it.start:end] = v[lo:hi].transpose(0, 1)
-                out[lo:hi] = self._prefill_attention(q[lo:hi], i, it.slot, it.start, end)
+                for it, (lo, hi) in zip(items, bounds):
+                    end = it.start + (hi - lo)
+                    self.k_cache[i, it.slot, :, it.start:end] = k[lo:hi].transpose(0, 1)
+                    self.v_cache[i, it.slot, :, it.start:end] = v[lo:hi].transpose(0, 1)
+                    out[lo:hi] = self._prefill_attention(q[lo:hi], i, it.slot, it.start, end)
             x = layer.o.add_to(x, out.reshape(len(tokens), -1))
             x = self._mlp(layer, x)
         return x, bounds
