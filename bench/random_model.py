@@ -35,16 +35,22 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype):
     return model.to(dtype).eval()
 
 
-def word_tokenizer(vocab_size: int):
-    """A word-level fast tokenizer with exactly `vocab_size` ids, every one a word (`<unk>`, `<s>`, `</s>`
-    first), so any id a random model picks decodes as the engine's detokenizer needs."""
+def words():
+    """Pronounceable words, all 4-letter ones first ('baba', 'babe', ...), then 6-letter ones: none
+    inside another across a space, so text offsets and stop strings are easy to reason about."""
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    return ("".join(parts) for n in (2, 3) for parts in itertools.product(syllables, repeat=n))
+
+
+def word_tokenizer(vocab_size: int, leading: tuple[str, ...] = ("<unk>", "<s>", "</s>"), bos: str = "<s>",
+                   eos: str = "</s>"):
+    """A word-level fast tokenizer with exactly `vocab_size` ids: `leading` (`<unk>` first), then
+    `words()`, so any id a random model picks decodes as the engine's detokenizer needs."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
-    words = ("".join(parts) for n in (2, 3) for parts in itertools.product(syllables, repeat=n))
-    tokens = ["<unk>", "<s>", "</s>"] + list(itertools.islice(words, vocab_size - 3))
+    tokens = list(leading) + list(itertools.islice(words(), vocab_size - len(leading)))
     backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token=bos, eos_token=eos,
                                    clean_up_tokenization_spaces=False)

@@ -294,18 +294,26 @@ def box_speed(engine: LLMEngine, prompt_ids: list[int], rows: int = 16, steps: i
     ignored), its prefill step not timed. Taken just before and just after each policy run: policies
     run one after another for half an hour each, and a shared 2-core machine's speed moves by 15% or
     more within an hour, so this tells a policy's gain from the machine's."""
-    params = SamplingParams(max_tokens=steps, ignore_eos=True, stop_on_loop=False)
-    ids = [f"box-speed-{i}" for i in range(rows)]
-    for request_id in ids:
-        engine.add(GenerationRequest(id=request_id, prompt_ids=prompt_ids, params=params))
+    seconds, _, decoded = timed_decode(engine, [prompt_ids] * rows, steps)
+    return decoded / seconds
+
+
+def timed_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int, int]:
+    """Seconds, steps and tokens to decode `new_tokens` for every prompt at once (end token ignored),
+    the prefilling step and the token it gives not counted."""
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, stop_on_loop=False)
+    ids = [f"timed-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add(GenerationRequest(id=request_id, prompt_ids=prompt, params=params))
     engine.step()
-    started, decoded = time.perf_counter(), 0
+    started, steps, decoded = time.perf_counter(), 0, 0
     while engine.has_work():
         decoded += sum(len(event.token_ids) for event in engine.step())
+        steps += 1
     seconds = time.perf_counter() - started
     for request_id in ids:
         engine.pop_result(request_id)
-    return decoded / seconds
+    return seconds, steps, decoded
 
 
 def summarize(run: PolicyRun) -> dict:

@@ -20,29 +20,11 @@ import time
 
 from bench.common import machine, table, write_result
 from bench.random_model import SHAPES, random_model, word_tokenizer
+from bench.schedule_policies import timed_decode
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.llama import PrefillItem
 from engine.loader import load_hf_model, resolve_model_dir, select_device_and_dtype
-from engine.types import GenerationRequest, SamplingParams
-
-
-def decode_seconds(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
-    """Seconds and steps to decode `new_tokens` for every prompt at once, the prefilling step not
-    counted (nor the token it gives)."""
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, stop_on_loop=False)
-    ids = [f"step-{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts):
-        engine.add(GenerationRequest(id=request_id, prompt_ids=prompt, params=params))
-    engine.step()
-    steps, started = 0, time.perf_counter()
-    while engine.has_work():
-        engine.step()
-        steps += 1
-    seconds = time.perf_counter() - started
-    for request_id in ids:
-        engine.pop_result(request_id)
-    return seconds, steps
 
 
 def prefill_seconds(runner, prompts: list[list[int]], grouped: bool) -> float:
@@ -84,11 +66,11 @@ def run(argv: list[str]) -> dict:
     per_batch, rows = {}, []
     for batch in batches:
         for engine in systems.values():  # untimed: allocations, kernel choice, graph capture
-            decode_seconds(engine, prompts[:batch], args.new_tokens)
+            timed_decode(engine, prompts[:batch], args.new_tokens)
         best = {}
         for _ in range(args.repeats):
             for name, engine in systems.items():
-                seconds, steps = decode_seconds(engine, prompts[:batch], args.new_tokens)
+                seconds, steps, _ = timed_decode(engine, prompts[:batch], args.new_tokens)
                 best[name] = min(best.get(name, (float("inf"), 0)), (seconds, steps))
         entry = {}
         for name, (seconds, steps) in best.items():

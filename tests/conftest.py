@@ -87,35 +87,16 @@ def tiny_model():
     return model
 
 
-def _tiny_words() -> list[str]:
-    """Pronounceable 4-letter words ('baba', 'babe', ...): all the same length, none inside another
-    across a space, so text offsets and stop strings are easy to reason about."""
-    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
-    return [a + b for a in syllables for b in syllables]
-
-
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """A word-level `PreTrainedTokenizerFast` built in-process (no hub): ids 0-2 are `<unk>`,
     `<|im_start|>` (bos) and `<|im_end|>` (eos), 3-5 are `user`/`assistant`/`system`, the rest are
     4-letter words; exactly as many ids as the tiny model's vocab, so every id decodes. Decoding
     joins words with single spaces. Has a ChatML-like `chat_template`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from bench.random_model import word_tokenizer
 
-    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
-    roles = ["user", "assistant", "system"]
-    tokens = specials + roles
-    tokens += _tiny_words()[: TINY_VOCAB_SIZE - len(tokens)]
-    backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        clean_up_tokenization_spaces=False,
-    )
+    leading = ("<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system")
+    tokenizer = word_tokenizer(TINY_VOCAB_SIZE, leading, bos="<|im_start|>", eos="<|im_end|>")
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.chat_template = CHATML_TEMPLATE
     assert len(tokenizer) == TINY_VOCAB_SIZE and tokenizer.eos_token_id == TINY_EOS_ID
