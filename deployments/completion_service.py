@@ -4,7 +4,9 @@ OpenAI responses.
 Ray-free: the Serve decoder deployment holds one of these; tests use it directly."""
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,7 +26,7 @@ from deployments.openai_schema import (
     Usage,
 )
 from engine.async_engine import AsyncEngine
-from engine.types import FinishReason, GenerationRequest, Result, SamplingParams
+from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
 from graph.orchestrator import Answer, Orchestrator
 
 PLAIN_MODE = "ar"
@@ -34,9 +36,35 @@ def _finish(result: Result) -> str:
     return "length" if result.finish_reason in (FinishReason.LENGTH, FinishReason.CUT) else "stop"
 
 
-def _usage(result: Result) -> Usage:
-    total = result.prompt_tokens + result.completion_tokens
-    return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens, total_tokens=total)
+def _usage(results: list[Result]) -> Usage:
+    """OpenAI's usage for n choices of one prompt: the prompt counted once, every choice's answer."""
+    prompt, completion = results[0].prompt_tokens, sum(r.completion_tokens for r in results)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _siblings(request: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """`n` engine requests for n choices of one prompt. Their prompt, but for its last token, is
+    marked shared, so an engine computes it once and the other choices start from its cached KV;
+    with a seed, choice i samples with seed + i, so the choices differ and each replays."""
+    if n == 1:
+        return [request]
+    seed = request.params.seed
+    return [request.model_copy(update={
+        "id": uuid.uuid4().hex,
+        "shared_prefix_len": len(request.prompt_ids) - 1,
+        "params": request.params.model_copy(update={"seed": None if seed is None else seed + i}),
+    }) for i in range(n)]
+
+
+async def _all(calls) -> list:
+    """Await every call side by side; if one fails, cancel the others and raise its error."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
 
 
 def is_planned(request: OpenAIRequest) -> bool:
@@ -59,6 +87,8 @@ class ApiLimits(BaseModel):
         description="Longest prompt a request may send, in tokens (chat template included); "
         "default: as long as the model's context leaves room for one answer token.",
     )
+    max_choices: int = Field(8, ge=1, le=128, description="Most choices (OpenAI's `n`) one request may ask for; "
+                             "each is decoded as a request of its own, the prompt computed once.")
     max_queued_requests: int = Field(
         256,
         ge=1,
@@ -156,28 +186,37 @@ class CompletionService:
         if self.observer is not None:
             self.observer.answered(mode, planned, fell_back, time.perf_counter() - started)
 
+    def _check_choices(self, request: OpenAIRequest) -> None:
+        if request.n > self.limits.max_choices:
+            raise RequestError("n", f"{request.n} choices asked; this server gives at most {self.limits.max_choices}")
+        if request.n > 1 and self._planned(request):
+            raise RequestError("n", f"a planned answer (mode '{request.mode}') has one choice; ask n > 1 with mode 'ar'")
+
     async def complete(self, request: OpenAIRequest) -> ChatCompletionResponse | TextCompletion:
         started = time.perf_counter()
+        self._check_choices(request)
         engine_request = await self.to_engine_request(request)
         if self._planned(request):
             answer = await self._plan_and_answer(request, engine_request)
             self._observe(answer.mode, True, answer.fallback is not None, started)
             return self._planned_response(request, engine_request, answer)
-        result = await self.engine.generate(engine_request)
+        results = await _all(self.engine.generate(r) for r in _siblings(engine_request, request.n))
         self._observe(PLAIN_MODE, False, False, started)
-        finish, usage = _finish(result), _usage(result)
+        usage = _usage(results)
         if isinstance(request, CompletionRequest):
-            choice = TextChoice(text=result.text, finish_reason=finish)
-            return TextCompletion(model=self.model_name, choices=[choice], usage=usage)
-        choice = Choice(message=AssistantMessage(content=result.text), finish_reason=finish)
-        return ChatCompletionResponse(model=self.model_name, choices=[choice], usage=usage, mode=PLAIN_MODE)
+            text_choices = [TextChoice(index=i, text=r.text, finish_reason=_finish(r)) for i, r in enumerate(results)]
+            return TextCompletion(model=self.model_name, choices=text_choices, usage=usage)
+        choices = [Choice(index=i, message=AssistantMessage(content=r.text), finish_reason=_finish(r))
+                   for i, r in enumerate(results)]
+        return ChatCompletionResponse(model=self.model_name, choices=choices, usage=usage, mode=PLAIN_MODE)
 
     async def stream(self, request: OpenAIRequest) -> AsyncIterator[dict]:
         """OpenAI chunk dicts (`chat.completion.chunk`, or `text_completion` for a raw prompt): for
         chat the role first, then text pieces as tokens arrive, the finish reason, then usage when
-        `stream_options.include_usage` asks. The request is checked before the first chunk, so a bad
-        one fails before anything is sent."""
+        `stream_options.include_usage` asks; with n choices, each chunk's choice carries its index.
+        The request is checked before the first chunk, so a bad one fails before anything is sent."""
         started = time.perf_counter()
+        self._check_choices(request)
         engine_request = await self.to_engine_request(request)
         if self._planned(request):  # a planned answer is assembled from its nodes, then sent whole
             answer = await self._plan_and_answer(request, engine_request)
@@ -186,7 +225,7 @@ class CompletionService:
                 self.observer.first_token(time.perf_counter() - started)
             response = self._planned_response(request, engine_request, answer)
             chunk = ChatCompletionChunk(model=self.model_name, choices=[], mode=response.mode)
-            yield chunk.model_copy(update={"choices": [ChunkChoice(delta={"role": "assistant"})]}).model_dump()
+            yield chunk.opening()
             yield chunk.piece(response.choices[0].message.content)
             yield chunk.piece("", "stop")
             if request.include_usage:
@@ -196,19 +235,50 @@ class CompletionService:
             chunk = TextCompletion(model=self.model_name, choices=[])
         else:
             chunk = ChatCompletionChunk(model=self.model_name, choices=[], mode=PLAIN_MODE)
-            yield chunk.model_copy(update={"choices": [ChunkChoice(delta={"role": "assistant"})]}).model_dump()
-        first = True
-        async for item in self.engine.stream(engine_request):
+            for index in range(request.n):
+                yield chunk.opening(index)
+        first, results = True, []
+        async for index, item in self._events(_siblings(engine_request, request.n)):
             if isinstance(item, Result):
-                self._observe(PLAIN_MODE, False, False, started)
-                yield chunk.piece("", _finish(item))
-                if request.include_usage:
-                    yield chunk.model_copy(update={"choices": [], "usage": _usage(item)}).model_dump()
+                results.append(item)
+                yield chunk.piece("", _finish(item), index)
             elif item.text:
                 if first and self.observer is not None:
                     self.observer.first_token(time.perf_counter() - started)
                 first = False
-                yield chunk.piece(item.text)
+                yield chunk.piece(item.text, index=index)
+        self._observe(PLAIN_MODE, False, False, started)
+        if request.include_usage:
+            yield chunk.model_copy(update={"choices": [], "usage": _usage(results)}).model_dump()
+
+    async def _events(self, requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, TokenEvent | Result]]:
+        """(choice index, token event or result) of every request, as each comes; one request's
+        stream is passed on as it is, several are read side by side and their items interleaved."""
+        if len(requests) == 1:
+            async for item in self.engine.stream(requests[0]):
+                yield 0, item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, request: GenerationRequest) -> None:
+            try:
+                async for item in self.engine.stream(request):
+                    queue.put_nowait((index, item))
+            except Exception as exc:  # raised to the reader, which stops the other choices
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+        try:
+            finished = 0
+            while finished < len(requests):
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished += isinstance(item, Result)
+                yield index, item
+        finally:
+            for task in tasks:  # a client that goes away, or a choice that failed, aborts the rest
+                task.cancel()
 
     async def info(self) -> dict:
         return {"id": self.model_name, "max_model_len": self.max_model_len}

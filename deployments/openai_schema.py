@@ -41,8 +41,10 @@ class StreamOptions(BaseModel):
 
 
 class _RequestFields(BaseModel):
-    """The sampling and streaming fields both endpoints take. Unknown fields are ignored, like
-    OpenAI's own optional knobs (presence_penalty, user, ...) that do not change greedy decoding."""
+    """The sampling and streaming fields both endpoints take. Unknown fields are ignored, as OpenAI's
+    optional knobs that do not change the answer (user, metadata, store, ...) should be; the ones
+    that would change it and are not implemented (logit_bias, response_format, and per endpoint
+    logprobs, tools, suffix, best_of) are declared so that anything but their neutral value is a 400."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -54,9 +56,28 @@ class _RequestFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = Field(None, validate_default=True, description="Up to 4 strings that end the answer.")
-    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    n: int = Field(1, ge=1, le=128, description="How many answers (choices) to the one prompt; the server's "
+                   "limits.max_choices caps it. Plain answers only.")
     stream: bool = Field(False, description="Answer as server-sent events, tokens as they are decoded.")
     stream_options: StreamOptions | None = None
+    # OpenAI fields that would change the answer and that this server does not implement: refused when
+    # set to anything but their neutral value, never silently ignored
+    logit_bias: dict | None = Field(None, description="Not supported; must be absent, null or {}.")
+    response_format: dict | None = Field(None, description="Only {'type': 'text'} (the default).")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value):
+        if value:
+            raise ValueError("logit_bias is not supported; leave the field out")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value):
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError(f"only the 'text' format is served, not {value.get('type')!r}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -87,6 +108,26 @@ class ChatCompletionRequest(_RequestFields):
     )
     return_plan: bool = Field(False, description="With a planned answer (sot, plato), return its plan and "
                               "per-node timings in the response's `plan` field.")
+    logprobs: bool | None = Field(None, description="Not supported; must be absent, null or false.")
+    top_logprobs: int | None = Field(None, description="Not supported; must be absent, null or 0.")
+    tools: list | None = Field(None, description="Tool calling is not supported; must be absent, null or [].")
+    tool_choice: str | dict | None = Field(None, description="Only 'none' (no tools are served).")
+    functions: list | None = Field(None, description="OpenAI's older tools field; must be absent, null or [].")
+    function_call: str | dict | None = Field(None, description="Only 'none' (no functions are served).")
+
+    @field_validator("logprobs", "top_logprobs", "tools", "functions")
+    @classmethod
+    def _unsupported(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} is not supported; leave the field out")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_calls(cls, value, info):
+        if value not in (None, "none"):
+            raise ValueError(f"{info.field_name}: no tools are served, so only 'none' is accepted")
+        return value
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -99,6 +140,8 @@ class CompletionRequest(_RequestFields):
     prompt: str = Field(description="The text to continue: a string, or a list holding one string.")
     echo: bool = Field(False, description="Only false: the answer never repeats the prompt.")
     logprobs: int | None = Field(None, description="Not supported; must be absent or null.")
+    suffix: str | None = Field(None, description="Not supported (no insertion); must be absent, null or empty.")
+    best_of: int | None = Field(None, description="Only 1 (or absent): every choice asked is returned.")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -128,6 +171,20 @@ class CompletionRequest(_RequestFields):
             raise ValueError("logprobs are not supported; leave the field out")
         return value
 
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported; leave the field out")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("only best_of 1 is supported; ask for several answers with n")
+        return value
+
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
 
@@ -144,7 +201,7 @@ class AssistantMessage(BaseModel):
 
 
 class Choice(BaseModel):
-    index: int = 0
+    index: int = Field(0, description="Which of the request's n choices this is.")
     message: AssistantMessage
     finish_reason: FinishReason
 
@@ -177,9 +234,14 @@ class ChatCompletionChunk(_Completion):
     usage: Usage | None = None
     mode: Mode = Field(description="The answer mode that produced this answer.")
 
-    def piece(self, text: str, finish_reason: FinishReason | None = None) -> dict:
+    def piece(self, text: str, finish_reason: FinishReason | None = None, index: int = 0) -> dict:
         delta = {"content": text} if text else {}
-        return self.model_copy(update={"choices": [ChunkChoice(delta=delta, finish_reason=finish_reason)]}).model_dump()
+        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
+        return self.model_copy(update={"choices": [choice]}).model_dump()
+
+    def opening(self, index: int = 0) -> dict:
+        """A choice's first chunk: the assistant's role, no text yet."""
+        return self.model_copy(update={"choices": [ChunkChoice(index=index, delta={"role": "assistant"})]}).model_dump()
 
 
 class TextChoice(BaseModel):
@@ -197,8 +259,9 @@ class TextCompletion(_Completion):
     choices: list[TextChoice]
     usage: Usage | None = None
 
-    def piece(self, text: str, finish_reason: FinishReason | None = None) -> dict:
-        return self.model_copy(update={"choices": [TextChoice(text=text, finish_reason=finish_reason)]}).model_dump()
+    def piece(self, text: str, finish_reason: FinishReason | None = None, index: int = 0) -> dict:
+        choice = TextChoice(index=index, text=text, finish_reason=finish_reason)
+        return self.model_copy(update={"choices": [choice]}).model_dump()
 
 
 class RequestError(ValueError):

@@ -99,7 +99,18 @@ def test_greedy_answer_is_deterministic_and_text_parts_are_accepted(client):
         ({"temperature": -1}, "temperature"),
         ({"temperature": 2.5}, "temperature"),
         ({"top_p": 0}, "top_p"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 9}, "n"),  # past limits.max_choices (8)
+        ({"n": 129}, "n"),
+        ({"stream": True, "n": 9}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logit_bias": {"50": 5}}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": {"name": "f"}}, "function_call"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"mode": "fast"}, "mode"),
         ({"stream": True, "temperature": 9}, "temperature"),
@@ -144,6 +155,39 @@ def test_streaming_sends_role_deltas_finish_and_usage_matching_the_plain_answer(
     assert text == plain["choices"][0]["message"]["content"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+
+
+def test_n_choices_each_replay_as_a_request_with_seed_plus_index_and_usage_counts_the_prompt_once(client):
+    body = _chat(client, n=3, temperature=1.0, seed=7, max_tokens=6).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    texts = [c["message"]["content"] for c in body["choices"]]
+    singles = [_chat(client, temperature=1.0, seed=7 + i, max_tokens=6).json() for i in range(3)]
+    assert texts == [s["choices"][0]["message"]["content"] for s in singles]
+    assert len(set(texts)) > 1  # sampled with different seeds: not three copies of one answer
+    assert body["usage"] == {"prompt_tokens": singles[0]["usage"]["prompt_tokens"], "completion_tokens": 18,
+                             "total_tokens": singles[0]["usage"]["prompt_tokens"] + 18}
+    greedy = _chat(client, n=2, max_tokens=6).json()["choices"]
+    assert greedy[0]["message"] == greedy[1]["message"] == _chat(client, max_tokens=6).json()["choices"][0]["message"]
+
+
+def test_streamed_n_choices_carry_their_index_and_read_as_the_unstreamed_answers(client):
+    plain = _chat(client, n=3, temperature=1.0, seed=3, max_tokens=6).json()
+    chunks = events(_chat(client, n=3, temperature=1.0, seed=3, max_tokens=6, stream=True,
+                          stream_options={"include_usage": True}))
+    assert [c["choices"][0] for c in chunks[:3]] == [{"index": i, "delta": {"role": "assistant"}, "finish_reason": None}
+                                                    for i in range(3)]
+    for choice in plain["choices"]:
+        mine = [c["choices"][0] for c in chunks[3:] if c["choices"] and c["choices"][0]["index"] == choice["index"]]
+        assert "".join(c["delta"].get("content", "") for c in mine) == choice["message"]["content"]
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [choice["finish_reason"]]
+        assert mine[-1]["finish_reason"] is not None
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+
+
+def test_fields_left_at_their_neutral_value_are_accepted(client):
+    neutral = {"logprobs": False, "top_logprobs": 0, "logit_bias": {}, "response_format": {"type": "text"},
+               "tools": [], "tool_choice": "none", "user": "someone", "metadata": {"a": "b"}}
+    assert _chat(client, max_tokens=4, **neutral).json()["choices"] == _chat(client, max_tokens=4).json()["choices"]
 
 
 def test_malformed_json_is_400_and_service_keeps_working(client):
@@ -238,3 +282,35 @@ def test_past_max_in_flight_requests_get_503_with_retry_after_at_once():
     assert health.status_code == 200 and models.status_code == 200
     assert [r.status_code for r in answered] == [200, 200] and answered[1].text.endswith("data: [DONE]\n\n")
     assert [r.status_code for r in invalid] == [400] * 3 and after.status_code == 200  # nothing leaked
+
+
+def test_a_streamed_n_choice_request_that_the_client_drops_stops_every_choice(make_engine):
+    import time
+
+    from deployments.openai_schema import ChatCompletionRequest
+
+    slow = make_engine(max_batch_size=4, max_model_len=128)
+    step = slow.step
+    slow.step = lambda: (time.sleep(0.03), step())[1]  # 60 tokens take 1.8 s: a dropped client is seen mid-answer
+    engine = AsyncEngine(slow)
+    service = CompletionService(engine, ApiLimits(max_tokens_limit=64))
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": WORDS}], n=3, max_tokens=60,
+                                    temperature=1.0, seed=1, stream=True)
+
+    async def scenario():
+        chunks = service.stream(request)
+        seen = [await anext(chunks) for _ in range(5)]  # three openings, then text
+        running = (await engine.call(lambda e: e.stats()))["running"]
+        await chunks.aclose()
+        for _ in range(25):  # half a second, well inside the answers' 1.8 s
+            await asyncio.sleep(0.02)
+            if not await engine.call(lambda e: e.has_work()):
+                return seen, running, True
+        return seen, running, False
+
+    try:
+        seen, running, stopped = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert running == 3 and stopped
+    assert seen[3]["choices"][0]["delta"].get("content") is not None

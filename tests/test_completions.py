@@ -37,6 +37,15 @@ def test_streaming_sends_text_pieces_finish_and_usage_matching_the_plain_answer(
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
 
 
+def test_n_completions_are_indexed_choices_streamed_or_not(client):
+    body = _complete(client, n=2, temperature=1.0, seed=5, max_tokens=5).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1] and body["usage"]["completion_tokens"] == 10
+    chunks = events(_complete(client, n=2, temperature=1.0, seed=5, max_tokens=5, stream=True))
+    for choice in body["choices"]:
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == choice["index"]) \
+            == choice["text"]
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -48,7 +57,10 @@ def test_streaming_sends_text_pieces_finish_and_usage_matching_the_plain_answer(
         ({"prompt": " ".join(["baba"] * 200)}, "prompt"),
         ({"echo": True}, "echo"),
         ({"logprobs": 2}, "logprobs"),
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),
+        ({"suffix": " the end"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"logit_bias": {"50": -100}}, "logit_bias"),
         ({"max_tokens": 65}, "max_tokens"),
         ({"stop": [""]}, "stop"),
         ({"stream": True, "logprobs": 1}, "logprobs"),

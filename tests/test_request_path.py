@@ -62,6 +62,32 @@ def test_plain_answers_go_through_the_batcher_and_equal_direct_decoding(path, de
     assert len(asked) == 2 and stats["requeues"] >= 2 and stats["finished"] == 2
 
 
+def test_n_plain_choices_go_through_the_batcher_with_the_prompt_computed_once(path):
+    from deployments.openai_schema import RequestError
+
+    service, batcher, decoder, _ = path
+    question = "tell me about the weather in spring and what to wear"
+
+    async def main():
+        before = await decoder.stats()
+        response = await service.complete(chat(question, n=3, temperature=1.0, seed=11, max_tokens=6))
+        after = await decoder.stats()
+        refused = []
+        for mode in ("sot", "plato", "auto"):
+            try:
+                await service.complete(chat(question, n=2, mode=mode))
+            except RequestError as exc:
+                refused.append(exc.param)
+        return response, after["prefill_tokens"] - before["prefill_tokens"], refused
+
+    response, prefilled, refused = run(main())
+    assert [c.index for c in response.choices] == [0, 1, 2] and response.usage.completion_tokens == 18
+    prompt = response.usage.prompt_tokens
+    # one choice computes the prompt; the other two start from its KV and compute only its last token
+    assert prefilled == prompt + 2, (prefilled, prompt)
+    assert refused == ["n", "n", "n"]
+
+
 def test_planned_modes_answer_and_report_their_plan(path):
     service, batcher, decoder, _ = path
 
