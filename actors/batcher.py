@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pydantic import BaseModel, Field
 
-from engine.types import FinishReason, GenerationRequest, Result
+from engine.types import FinishReason, GenerationRequest, Result, TokenLogprob
 from predictor.batcher import Batcher, BatcherConfig
 
 log = logging.getLogger(__name__)
@@ -77,8 +77,15 @@ def _merged(events: list[dict]) -> dict:
     """Consecutive TokenEvents (as dicts) of one request as one."""
     if len(events) == 1:
         return events[0]
-    return {**events[-1], "token_ids": [t for e in events for t in e["token_ids"]],
-            "text": "".join(e["text"] for e in events)}
+    merged = {**events[-1], "token_ids": [t for e in events for t in e["token_ids"]],
+              "text": "".join(e["text"] for e in events)}
+    if events[-1].get("logprobs") is not None:
+        merged["logprobs"] = [lp for e in events for lp in e["logprobs"] or []]
+    return merged
+
+
+def _logprobs(partial: dict[str, list[dict]] | None) -> dict[str, list[TokenLogprob]] | None:
+    return None if partial is None else {k: [TokenLogprob.model_validate(d) for d in v] for k, v in partial.items()}
 
 
 class BatcherActor:
@@ -95,6 +102,7 @@ class BatcherActor:
         self._listeners: dict[str, asyncio.Queue] = {}
         self._streaming: set[str] = set()  # streamed requests that have sent their first token
         self._progress: dict[str, list[int]] = {}  # tokens each request holds so far in its current attempt
+        self._progress_logprobs: dict[str, list[dict]] = {}  # and their logprobs, for requests that ask
         self._predicted: dict[str, int | None] = {}
         self.observer = observer
         self._queued = asyncio.Event()  # set whenever a request may have become available
@@ -155,6 +163,8 @@ class BatcherActor:
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[request.id] = waiter
         self._progress[request.id] = list(request.resume_ids)
+        if request.params.logprobs is not None:
+            self._progress_logprobs[request.id] = [lp.model_dump() for lp in request.resume_logprobs]
         self._predicted[request.id] = request.predicted_len
         self._queued.set()
         if self._send_batch is not None and self._loop_task is None:
@@ -211,7 +221,7 @@ class BatcherActor:
     async def _run_remote(self, batch: dict) -> None:
         """Stream one micro-batch from a decoder. Each request is settled, and its sequence slot
         freed for the next request, the moment its own result arrives, not when its batch ends."""
-        holding, failed = len(batch["requests"]), None
+        holding, failed, failed_logprobs = len(batch["requests"]), None, None
         try:
             async for message in self._send_batch(batch):
                 for item in message if isinstance(message, list) else [message]:  # a decoder may group items
@@ -229,15 +239,19 @@ class BatcherActor:
         except Exception:  # the replica died or the call failed: what it finished is settled already;
             # the rest is re-queued after the tokens it streamed
             failed = {r["id"]: self._progress.get(r["id"], []) for r in batch["requests"]}
+            failed_logprobs = {r["id"]: self._progress_logprobs[r["id"]] for r in batch["requests"]
+                               if r["id"] in self._progress_logprobs}
         finally:
             self._out_batches -= 1
             self._out_requests -= holding
             self._room.set()
-        await self.report(batch["id"], [], partial=failed)
+        await self.report(batch["id"], [], partial=failed, partial_logprobs=failed_logprobs)
 
     def _on_event(self, event: dict) -> None:
         request_id = event["request_id"]
         self._progress.setdefault(request_id, []).extend(event["token_ids"])
+        if request_id in self._progress_logprobs:
+            self._progress_logprobs[request_id].extend(event.get("logprobs") or [])
         listener = self._listeners.get(request_id)
         if listener is not None:
             listener.put_nowait(event)
@@ -265,12 +279,13 @@ class BatcherActor:
                 pass
 
     async def report(self, batch_id: str, results: list[dict], refused: dict[str, str] | None = None,
-                     partial: dict[str, list[int]] | None = None) -> int:
+                     partial: dict[str, list[int]] | None = None,
+                     partial_logprobs: dict[str, list[dict]] | None = None) -> int:
         """Hand in a batch's results (`Result` dicts); returns how many were final and answered.
         `refused` (request id -> why) answers those requests with a RequestFailed error; `partial`
-        says the decoder failed partway (see Batcher.report)."""
+        (and `partial_logprobs`, TokenLogprob dicts) says the decoder failed partway (see Batcher.report)."""
         parsed = [Result.model_validate(r) for r in results]
-        final = {r.request_id: r for r in self.core.report(batch_id, parsed, partial)}
+        final = {r.request_id: r for r in self.core.report(batch_id, parsed, partial, _logprobs(partial_logprobs))}
         for result in parsed:
             self._settle(final.get(result.request_id), result, (refused or {}).get(result.request_id))
         self._wake_if_pending()
@@ -280,6 +295,7 @@ class BatcherActor:
         """Answer a request whose final result came (`final`), or note a cut attempt's kept tokens."""
         if final is not None:
             self._progress.pop(final.request_id, None)
+            self._progress_logprobs.pop(final.request_id, None)
             predicted = self._predicted.pop(final.request_id, None)
             if self.observer is not None:
                 self.observer.finished(predicted, final.completion_tokens)
@@ -292,13 +308,16 @@ class BatcherActor:
                     waiter.set_result(final)
         elif result.finish_reason == FinishReason.CUT:  # the next attempt starts from its kept tokens
             self._progress[result.request_id] = list(result.token_ids)
+            if result.logprobs is not None:
+                self._progress_logprobs[result.request_id] = [lp.model_dump() for lp in result.logprobs]
             if self.observer is not None:
                 self.observer.requeue()
             self._wake_if_pending()
 
-    async def fail(self, batch_id: str, partial: dict[str, list[int]] | None = None) -> int:
+    async def fail(self, batch_id: str, partial: dict[str, list[int]] | None = None,
+                   partial_logprobs: dict[str, list[dict]] | None = None) -> int:
         """The batch will not be finished (its decoder died): re-queue it; returns how many requests."""
-        count = self.core.fail(batch_id, partial)
+        count = self.core.fail(batch_id, partial, _logprobs(partial_logprobs))
         self._wake_if_pending()
         return count
 

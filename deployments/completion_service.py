@@ -25,6 +25,7 @@ from deployments.openai_schema import (
     TextCompletion,
     Usage,
 )
+from deployments.openai_logprobs import chat_logprobs, completion_logprobs
 from engine.async_engine import AsyncEngine
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
 from graph.orchestrator import Answer, Orchestrator
@@ -160,6 +161,7 @@ class CompletionService:
             frequency_penalty=request.frequency_penalty,
             stop=request.stop,
             stop_on_loop=self.limits.stop_on_loop,
+            logprobs=request.logprobs_asked,
         )
         return GenerationRequest(prompt_ids=prompt_ids, params=params)
 
@@ -187,10 +189,14 @@ class CompletionService:
             self.observer.answered(mode, planned, fell_back, time.perf_counter() - started)
 
     def _check_choices(self, request: OpenAIRequest) -> None:
+        """n and logprobs are for plain answers: a planned one is one text assembled from its nodes."""
         if request.n > self.limits.max_choices:
             raise RequestError("n", f"{request.n} choices asked; this server gives at most {self.limits.max_choices}")
         if request.n > 1 and self._planned(request):
             raise RequestError("n", f"a planned answer (mode '{request.mode}') has one choice; ask n > 1 with mode 'ar'")
+        if request.logprobs_asked is not None and self._planned(request):
+            raise RequestError("logprobs", f"a planned answer (mode '{request.mode}') has no token log probabilities; "
+                               "ask for them with mode 'ar'")
 
     async def complete(self, request: OpenAIRequest) -> ChatCompletionResponse | TextCompletion:
         started = time.perf_counter()
@@ -204,9 +210,12 @@ class CompletionService:
         self._observe(PLAIN_MODE, False, False, started)
         usage = _usage(results)
         if isinstance(request, CompletionRequest):
-            text_choices = [TextChoice(index=i, text=r.text, finish_reason=_finish(r)) for i, r in enumerate(results)]
+            text_choices = [TextChoice(index=i, text=r.text, finish_reason=_finish(r),
+                                       logprobs=completion_logprobs(r.logprobs)[0] if r.logprobs is not None else None)
+                            for i, r in enumerate(results)]
             return TextCompletion(model=self.model_name, choices=text_choices, usage=usage)
-        choices = [Choice(index=i, message=AssistantMessage(content=r.text), finish_reason=_finish(r))
+        choices = [Choice(index=i, message=AssistantMessage(content=r.text), finish_reason=_finish(r),
+                          logprobs=chat_logprobs(r.logprobs) if r.logprobs is not None else None)
                    for i, r in enumerate(results)]
         return ChatCompletionResponse(model=self.model_name, choices=choices, usage=usage, mode=PLAIN_MODE)
 
@@ -237,16 +246,23 @@ class CompletionService:
             chunk = ChatCompletionChunk(model=self.model_name, choices=[], mode=PLAIN_MODE)
             for index in range(request.n):
                 yield chunk.opening(index)
-        first, results = True, []
+        first, results, offsets = True, [], [0] * request.n
         async for index, item in self._events(_siblings(engine_request, request.n)):
             if isinstance(item, Result):
                 results.append(item)
                 yield chunk.piece("", _finish(item), index)
-            elif item.text:
+            elif item.text or item.logprobs:
                 if first and self.observer is not None:
                     self.observer.first_token(time.perf_counter() - started)
                 first = False
-                yield chunk.piece(item.text, index=index)
+                logprobs = None
+                if item.logprobs is None:
+                    pass
+                elif isinstance(request, CompletionRequest):
+                    logprobs, offsets[index] = completion_logprobs(item.logprobs, offsets[index])
+                else:
+                    logprobs = chat_logprobs(item.logprobs)
+                yield chunk.piece(item.text, index=index, logprobs=logprobs)
         self._observe(PLAIN_MODE, False, False, started)
         if request.include_usage:
             yield chunk.model_copy(update={"choices": [], "usage": _usage(results)}).model_dump()

@@ -44,7 +44,7 @@ class _RequestFields(BaseModel):
     """The sampling and streaming fields both endpoints take. Unknown fields are ignored, as OpenAI's
     optional knobs that do not change the answer (user, metadata, store, ...) should be; the ones
     that would change it and are not implemented (logit_bias, response_format, and per endpoint
-    logprobs, tools, suffix, best_of) are declared so that anything but their neutral value is a 400."""
+    tools, suffix, best_of) are declared so that anything but their neutral value is a 400."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -108,14 +108,26 @@ class ChatCompletionRequest(_RequestFields):
     )
     return_plan: bool = Field(False, description="With a planned answer (sot, plato), return its plan and "
                               "per-node timings in the response's `plan` field.")
-    logprobs: bool | None = Field(None, description="Not supported; must be absent, null or false.")
-    top_logprobs: int | None = Field(None, description="Not supported; must be absent, null or 0.")
+    logprobs: bool | None = Field(None, description="Return each answer token's log probability (plain answers).")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: also the this-many most "
+                                     "likely tokens at each place.")
     tools: list | None = Field(None, description="Tool calling is not supported; must be absent, null or [].")
     tool_choice: str | dict | None = Field(None, description="Only 'none' (no tools are served).")
     functions: list | None = Field(None, description="OpenAI's older tools field; must be absent, null or [].")
     function_call: str | dict | None = Field(None, description="Only 'none' (no functions are served).")
 
-    @field_validator("logprobs", "top_logprobs", "tools", "functions")
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value, info):
+        if value and not info.data.get("logprobs"):
+            raise ValueError("set logprobs to true to ask for top_logprobs")
+        return value
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @field_validator("tools", "functions")
     @classmethod
     def _unsupported(cls, value, info):
         if value:
@@ -139,7 +151,8 @@ class CompletionRequest(_RequestFields):
 
     prompt: str = Field(description="The text to continue: a string, or a list holding one string.")
     echo: bool = Field(False, description="Only false: the answer never repeats the prompt.")
-    logprobs: int | None = Field(None, description="Not supported; must be absent or null.")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Return each answer token's log probability "
+                                 "and the this-many most likely tokens at its place.")
     suffix: str | None = Field(None, description="Not supported (no insertion); must be absent, null or empty.")
     best_of: int | None = Field(None, description="Only 1 (or absent): every choice asked is returned.")
 
@@ -164,12 +177,9 @@ class CompletionRequest(_RequestFields):
             raise ValueError("echo is not supported; leave it false")
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("logprobs are not supported; leave the field out")
-        return value
+    @property
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @field_validator("suffix")
     @classmethod
@@ -204,6 +214,7 @@ class Choice(BaseModel):
     index: int = Field(0, description="Which of the request's n choices this is.")
     message: AssistantMessage
     finish_reason: FinishReason
+    logprobs: dict | None = Field(None, description="With logprobs: {'content': [...], 'refusal': None}.")
 
 
 class _Completion(BaseModel):
@@ -226,6 +237,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: dict
     finish_reason: FinishReason | None = None
+    logprobs: dict | None = None
 
 
 class ChatCompletionChunk(_Completion):
@@ -234,9 +246,10 @@ class ChatCompletionChunk(_Completion):
     usage: Usage | None = None
     mode: Mode = Field(description="The answer mode that produced this answer.")
 
-    def piece(self, text: str, finish_reason: FinishReason | None = None, index: int = 0) -> dict:
+    def piece(self, text: str, finish_reason: FinishReason | None = None, index: int = 0,
+              logprobs: dict | None = None) -> dict:
         delta = {"content": text} if text else {}
-        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
+        choice = ChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
         return self.model_copy(update={"choices": [choice]}).model_dump()
 
     def opening(self, index: int = 0) -> dict:
@@ -247,7 +260,7 @@ class ChatCompletionChunk(_Completion):
 class TextChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -259,8 +272,9 @@ class TextCompletion(_Completion):
     choices: list[TextChoice]
     usage: Usage | None = None
 
-    def piece(self, text: str, finish_reason: FinishReason | None = None, index: int = 0) -> dict:
-        choice = TextChoice(index=index, text=text, finish_reason=finish_reason)
+    def piece(self, text: str, finish_reason: FinishReason | None = None, index: int = 0,
+              logprobs: dict | None = None) -> dict:
+        choice = TextChoice(index=index, text=text, finish_reason=finish_reason, logprobs=logprobs)
         return self.model_copy(update={"choices": [choice]}).model_dump()
 
 

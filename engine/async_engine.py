@@ -87,10 +87,16 @@ class AsyncEngine:
         if request.id in self._subscribers:
             raise ValueError(f"id: request '{request.id}' is already in flight")
         subscriber = _Subscriber(asyncio.get_running_loop())
-        self._subscribers[request.id] = subscriber
+
+        def add(engine: Engine) -> None:
+            engine.add(request)
+            # subscribed on the engine thread, after the add: a step that ran before it cannot hand this
+            # stream the last events of an aborted request that had the same id (a batcher's retry)
+            self._subscribers[request.id] = subscriber
+
         added = done = False
         try:
-            await self.call(lambda engine: engine.add(request))
+            await self.call(add)
             added = True
             while True:
                 item = await subscriber.queue.get()
@@ -101,7 +107,8 @@ class AsyncEngine:
                     done = True
                     return
         finally:
-            self._subscribers.pop(request.id, None)
+            if self._subscribers.get(request.id) is subscriber:
+                del self._subscribers[request.id]
             if added and not done and self.error is None and self._thread.is_alive():
                 self._inbox.put((lambda engine: _abort_and_drop(engine, request.id), None))
                 self._wake.set()

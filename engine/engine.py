@@ -17,8 +17,8 @@ from engine.drafts import lookup_draft
 from engine.loops import LoopDetector
 from engine.llama import LlamaRunner, PrefillItem
 from engine.prefix_cache import PrefixCache, PrefixEntry, PrefixHandle
-from engine.sampling import make_generator, sample
-from engine.types import FinishReason, GenerationRequest, Result, TokenEvent
+from engine.sampling import make_generator, sample, token_logprobs
+from engine.types import FinishReason, GenerationRequest, Result, TokenEvent, TokenLogprob
 
 
 @dataclass
@@ -39,6 +39,8 @@ class _Sequence:
     constraint: TokenConstraint | None = None
     loops: LoopDetector | None = None
     copies: CopyGuard | None = None
+    logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per generated token
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # those of new_tokens
 
     @property
     def tokens(self) -> list[int]:
@@ -90,6 +92,7 @@ class LLMEngine(Engine):
         self._by_id: dict[str, _Sequence] = {}
         self._results: dict[str, Result] = {}
         self._order = itertools.count()
+        self._token_texts: dict[int, str] = {}  # each token decoded alone, for logprobs
         self._stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0, "step_s": 0.0,
                        "forced_tokens": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "mixed_steps": 0}
 
@@ -127,6 +130,7 @@ class LLMEngine(Engine):
             loops=LoopDetector() if request.params.stop_on_loop else None,
             copies=CopyGuard.for_texts(request.params.no_copy, self.tokenizer, request.params.no_copy_tokens)
             if request.params.no_copy else None,
+            logprobs=list(request.resume_logprobs) if request.params.logprobs is not None else None,
         )
         if sequence.loops is not None:  # a resumed answer stops exactly where an uninterrupted one would
             for token in request.resume_ids:
@@ -331,17 +335,33 @@ class LLMEngine(Engine):
         masks = [self._allowed(s, logits.shape[-1]) for s in batch]
         chosen = sample(logits, [s.request.params for s in batch], [s.generator for s in batch], masks,
                         [s.generated for s in batch])
+        scored = self._logprobs(batch, logits, chosen)
         now = time.perf_counter()
-        for sequence, token in zip(batch, chosen):
+        for row, (sequence, token) in enumerate(zip(batch, chosen)):
             if sequence.finish is not None:
                 continue
             sequence.first_token_at = sequence.first_token_at or now
-            self._take(sequence, token)
+            self._take(sequence, token, scored.get(row))
             while sequence.finish is None and sequence.constraint is not None and self.jump_forward:
                 forced = sequence.constraint.forced()
                 if forced is None:
                     break
                 self._take(sequence, forced)  # computed in the next step's pass, after the decode token
+
+    def _logprobs(self, batch: list[_Sequence], logits: torch.Tensor, chosen: list[int]) -> dict[int, TokenLogprob]:
+        """Row -> the chosen token's log probability, for the rows whose request asks for them."""
+        rows = [row for row, s in enumerate(batch) if s.logprobs is not None and s.finish is None]
+        if not rows:
+            return {}
+        tops = [batch[row].request.params.logprobs for row in rows]
+        scored = token_logprobs(logits[rows], [chosen[row] for row in rows], tops, self._token_text)
+        return dict(zip(rows, scored))
+
+    def _token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     @staticmethod
     def _allowed(sequence: _Sequence, width: int) -> torch.Tensor | None:
@@ -355,13 +375,18 @@ class LLMEngine(Engine):
         guarded[[b for b in banned if b < guarded.numel()]] = False
         return guarded if guarded.any() else mask
 
-    def _take(self, sequence: _Sequence, token: int) -> None:
-        """Append one token to the sequence (or end it on a stop token) and decide whether it is done."""
+    def _take(self, sequence: _Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Append one token to the sequence (or end it on a stop token) and decide whether it is done.
+        `logprob`: the token's, for a sequence that keeps them (None for a token a constraint forced)."""
         if token in self.stop_token_ids and not sequence.request.params.ignore_eos:
             sequence.finish = FinishReason.STOP
             return
         sequence.generated.append(token)
         sequence.new_tokens.append(token)
+        if sequence.logprobs is not None:
+            logprob = logprob or TokenLogprob(token_id=token, token=self._token_text(token), logprob=0.0)
+            sequence.logprobs.append(logprob)
+            sequence.new_logprobs.append(logprob)
         self._stats["generated_tokens"] += 1
         sequence.detokenizer.add(sequence.generated)
         if sequence.constraint is not None:
@@ -398,8 +423,9 @@ class LLMEngine(Engine):
             token_ids=sequence.new_tokens,
             text=text[sequence.sent_chars : end],
             finish_reason=sequence.finish,
+            logprobs=sequence.new_logprobs if sequence.logprobs is not None else None,
         )
-        sequence.new_tokens, sequence.sent_chars = [], max(end, sequence.sent_chars)
+        sequence.new_tokens, sequence.new_logprobs, sequence.sent_chars = [], [], max(end, sequence.sent_chars)
         return event
 
     def _finish(self, sequence: _Sequence, reason: FinishReason) -> None:
@@ -440,6 +466,7 @@ class LLMEngine(Engine):
             latency_s=now - sequence.added_at,
             prefix_hit_tokens=sequence.prefix_hit,
             kept_kv_tokens=sequence.kept_kv,
+            logprobs=sequence.logprobs,
         )
 
     # ---- prefixes and stats ---------------------------------------------------------------------

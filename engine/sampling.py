@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.types import SamplingParams
+from collections.abc import Callable
+
+from engine.types import SamplingParams, TokenLogprob, TopLogprob
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
-    """A private random stream per request, so a seeded request replays whatever its batch mates do."""
+    """A private random stream per request, so a seeded request replays whatever its batch mates do
+    (and, reseeded at each place, see `sample`, however often a scheduler cut and resumed it)."""
     if params.greedy:
         return None
     generator = torch.Generator()
@@ -52,6 +55,10 @@ def sample(
     chosen = logits.argmax(dim=-1).tolist()
     for row, (p, g) in enumerate(zip(params, generators)):
         if not p.greedy:
+            if p.seed is not None and histories is not None:
+                # the draw for the answer's n-th token depends on (seed, n) alone, not on how many draws
+                # came before in this process: an answer resumed after a cut samples as if never cut
+                g.manual_seed(p.seed * 1_000_003 + len(histories[row]))
             chosen[row] = _sample_one(logits[row], p, g)
     return chosen
 
@@ -75,3 +82,20 @@ def _apply_masks(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torc
             logits[row, :n].masked_fill_(~mask[:n], float("-inf"))
             logits[row, n:] = float("-inf")
     return logits
+
+
+def token_logprobs(logits: torch.Tensor, chosen: list[int], tops: list[int],
+                   text: Callable[[int], str]) -> list[TokenLogprob]:
+    """Each row's chosen token's log probability under the model's raw logits (before temperature,
+    penalties and masks, as vLLM reports them by default), and its row's `tops[row]` most likely
+    tokens. `text(token)` gives a token's text."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    picked = logprobs.gather(1, torch.tensor(chosen, device=logprobs.device)[:, None])[:, 0].tolist()
+    most = max(tops)
+    values, ids = logprobs.topk(most, dim=-1) if most else (logprobs[:, :0], logprobs[:, :0].long())
+    values, ids = values.tolist(), ids.tolist()
+    return [
+        TokenLogprob(token_id=token, token=text(token), logprob=p,
+                     top=[TopLogprob(token_id=i, token=text(i), logprob=v) for i, v in zip(ids[row][:k], values[row][:k])])
+        for row, (token, p, k) in enumerate(zip(chosen, picked, tops))
+    ]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.types import FinishReason, GenerationRequest, Result
+from engine.types import FinishReason, GenerationRequest, Result, TokenLogprob
 from predictor.bins import LengthBins
 
 if TYPE_CHECKING:
@@ -219,12 +219,14 @@ class Batcher:
         return entry.request.model_copy(update={"params": params})
 
     # ---- results back ---------------------------------------------------------------------------
-    def report(self, batch_id: str, results: list[Result], partial: dict[str, list[int]] | None = None) -> list[Result]:
+    def report(self, batch_id: str, results: list[Result], partial: dict[str, list[int]] | None = None,
+               partial_logprobs: dict[str, list[TokenLogprob]] | None = None) -> list[Result]:
         """Take a batch's results; returns the final ones (STOP, LENGTH, ABORT). A CUT result is
         re-queued one bin up, resuming after its tokens; a request without a result is re-queued as
         it was. Results of an unknown batch, of requests not in it, or repeated, are ignored.
         `partial` says the replica failed partway (see `fail`): the requests it finished are final,
-        the others resume after their tokens in `partial`."""
+        the others resume after their tokens in `partial` (and, for those that ask for logprobs, after
+        theirs in `partial_logprobs`)."""
         entries = self._in_flight.pop(batch_id, None)
         if entries is None:
             self._counts["ignored_results"] += len(results)
@@ -234,7 +236,7 @@ class Batcher:
             self._counts["missing_results"] += len(entries)
         else:
             self._counts["failed_batches"] += 1
-            self._resume_after(entries, partial)
+            self._resume_after(entries, partial, partial_logprobs or {})
         self._requeue_front(entries.values())
         return final
 
@@ -260,7 +262,8 @@ class Batcher:
         self._counts["finished"] += 1
         return result
 
-    def fail(self, batch_id: str, partial: dict[str, list[int]] | None = None) -> int:
+    def fail(self, batch_id: str, partial: dict[str, list[int]] | None = None,
+             partial_logprobs: dict[str, list[TokenLogprob]] | None = None) -> int:
         """A replica died with the batch in flight: its requests go back to the front of their
         queue. `partial` (request id -> all tokens generated so far, e.g. already streamed to the
         client) makes a request resume after those tokens instead of starting over. Returns how
@@ -269,22 +272,32 @@ class Batcher:
         if entries is None:
             return 0
         count = len(entries)
-        self.report(batch_id, [], partial or {})
+        self.report(batch_id, [], partial or {}, partial_logprobs)
         return count
 
     @staticmethod
-    def _resume_after(entries: dict[str, _Entry], partial: dict[str, list[int]]) -> None:
+    def _resume_after(entries: dict[str, _Entry], partial: dict[str, list[int]],
+                      partial_logprobs: dict[str, list[TokenLogprob]]) -> None:
         for request_id, tokens in partial.items():
             entry = entries.get(request_id)
-            if entry is not None and len(tokens) > len(entry.request.resume_ids) and \
-                    len(tokens) < entry.request.params.max_tokens:
-                entry.request = entry.request.model_copy(update={"resume_ids": list(tokens)})
+            if entry is None or not len(entry.request.resume_ids) < len(tokens) < entry.request.params.max_tokens:
+                continue
+            update = {"resume_ids": list(tokens)}
+            if entry.request.params.logprobs is not None:
+                logprobs = partial_logprobs.get(request_id, [])
+                if len(logprobs) != len(tokens):  # cannot happen with whole events; never resume unscored
+                    continue
+                update["resume_logprobs"] = list(logprobs)
+            entry.request = entry.request.model_copy(update=update)
 
     def _requeue_cut(self, entry: _Entry, result: Result) -> None:
         kept = list(result.token_ids)
         entry.bin = self.bins.next_bin(entry.bin)
         predicted = max(self.bins.cap(entry.bin), len(kept) + 1)
-        entry.request = entry.request.model_copy(update={"resume_ids": kept, "predicted_len": predicted})
+        update = {"resume_ids": kept, "predicted_len": predicted}
+        if result.logprobs is not None:
+            update["resume_logprobs"] = list(result.logprobs)
+        entry.request = entry.request.model_copy(update=update)
         self._queues[entry.bin].append(entry)
         self._counts["requeues"] += 1
         self._counts["requeued_tokens"] += len(kept)

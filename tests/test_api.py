@@ -103,8 +103,8 @@ def test_greedy_answer_is_deterministic_and_text_parts_are_accepted(client):
         ({"n": 9}, "n"),  # past limits.max_choices (8)
         ({"n": 129}, "n"),
         ({"stream": True, "n": 9}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"50": 5}}, "logit_bias"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -174,14 +174,30 @@ def test_streamed_n_choices_carry_their_index_and_read_as_the_unstreamed_answers
     plain = _chat(client, n=3, temperature=1.0, seed=3, max_tokens=6).json()
     chunks = events(_chat(client, n=3, temperature=1.0, seed=3, max_tokens=6, stream=True,
                           stream_options={"include_usage": True}))
-    assert [c["choices"][0] for c in chunks[:3]] == [{"index": i, "delta": {"role": "assistant"}, "finish_reason": None}
-                                                    for i in range(3)]
+    assert [c["choices"][0] for c in chunks[:3]] == [
+        {"index": i, "delta": {"role": "assistant"}, "finish_reason": None, "logprobs": None} for i in range(3)]
     for choice in plain["choices"]:
         mine = [c["choices"][0] for c in chunks[3:] if c["choices"] and c["choices"][0]["index"] == choice["index"]]
         assert "".join(c["delta"].get("content", "") for c in mine) == choice["message"]["content"]
         assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [choice["finish_reason"]]
         assert mine[-1]["finish_reason"] is not None
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+
+
+def test_logprobs_come_per_token_with_their_alternatives_streamed_or_not(client):
+    body = _chat(client, max_tokens=6, logprobs=True, top_logprobs=2).json()
+    [choice] = body["choices"]
+    content = choice["logprobs"]["content"]
+    assert len(content) == 6 and "".join(c["token"] for c in content).replace(" ", "") == \
+        choice["message"]["content"].replace(" ", "")
+    for entry in content:
+        assert entry["logprob"] <= 0 and entry["bytes"] == list(entry["token"].encode())
+        assert len(entry["top_logprobs"]) == 2 and entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
+        assert entry["top_logprobs"][0]["token"] == entry["token"]  # greedy takes the most likely
+    chunks = events(_chat(client, max_tokens=6, logprobs=True, top_logprobs=2, stream=True))
+    assert [e for c in chunks if c["choices"] and c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]] \
+        == content
+    assert _chat(client, max_tokens=6).json()["choices"][0]["logprobs"] is None
 
 
 def test_fields_left_at_their_neutral_value_are_accepted(client):

@@ -129,6 +129,22 @@ def test_leaving_a_stream_early_aborts_the_request(serve):
     assert stats["generated_tokens"] < 100
 
 
+def test_an_id_streamed_again_right_after_its_abort_gets_none_of_the_aborted_requests_tokens(serve, decode_alone):
+    # a batcher retries a request under its own id, possibly on the replica that just dropped it
+    async_engine = serve(step_delay_s=0.01)
+
+    async def main():
+        first = async_engine.stream(req("same", [5, 6, 7], max_tokens=300))
+        await anext(first)
+        await first.aclose()  # its abort is queued while the engine may be mid-step on it
+        return [item async for item in async_engine.stream(req("same", [9, 8, 7, 6], max_tokens=8))]
+
+    for _ in range(3):
+        items = run(main())
+        assert [t for e in items[:-1] for t in e.token_ids] == items[-1].token_ids
+        assert items[-1].token_ids == decode_alone([9, 8, 7, 6], max_tokens=8).token_ids
+
+
 def test_value_error_from_add_reaches_the_caller(serve):
     async_engine = serve(max_model_len=32)
 

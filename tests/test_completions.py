@@ -46,6 +46,20 @@ def test_n_completions_are_indexed_choices_streamed_or_not(client):
             == choice["text"]
 
 
+def test_logprobs_are_openais_parallel_lists_streamed_or_not(client):
+    body = _complete(client, max_tokens=5, logprobs=3).json()
+    [choice] = body["choices"]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 5
+    assert all(len(top) == 3 for top in logprobs["top_logprobs"])
+    assert logprobs["text_offset"][0] == 0 and all(
+        b - a == len(t) for a, b, t in zip(logprobs["text_offset"], logprobs["text_offset"][1:], logprobs["tokens"]))
+    chunks = events(_complete(client, max_tokens=5, logprobs=3, stream=True))
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for part in streamed for x in part[key]] == logprobs[key]
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -56,14 +70,14 @@ def test_n_completions_are_indexed_choices_streamed_or_not(client):
         ({"prompt": None}, "prompt"),
         ({"prompt": " ".join(["baba"] * 200)}, "prompt"),
         ({"echo": True}, "echo"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
         ({"n": 9}, "n"),
         ({"suffix": " the end"}, "suffix"),
         ({"best_of": 3}, "best_of"),
         ({"logit_bias": {"50": -100}}, "logit_bias"),
         ({"max_tokens": 65}, "max_tokens"),
         ({"stop": [""]}, "stop"),
-        ({"stream": True, "logprobs": 1}, "logprobs"),
+        ({"stream": True, "logprobs": -1}, "logprobs"),
     ],
 )
 def test_bad_input_is_400_naming_the_field(client, body, param):

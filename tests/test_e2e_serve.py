@@ -114,6 +114,21 @@ def test_openai_client_streams(server):
     assert len([p for p in pieces if p]) > 1 and "Paris" in "".join(pieces)
 
 
+def test_openai_client_gets_n_choices_with_logprobs_streamed_or_not(server):
+    reply = _ask_openai(server, n=2, temperature=0.8, seed=3, logprobs=True, top_logprobs=2)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert sum(len(c.logprobs.content) for c in reply.choices) == reply.usage.completion_tokens
+    for choice in reply.choices:
+        tokens = choice.logprobs.content
+        assert "".join(t.token for t in tokens).startswith(choice.message.content[:8])
+        assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in tokens)
+    texts = {0: "", 1: ""}
+    for chunk in _ask_openai(server, n=2, temperature=0.8, seed=3, logprobs=True, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {c.index: c.message.content for c in reply.choices}
+
+
 def test_streaming_bad_input_is_400_before_any_event(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000, "stream": True}
     response = server.post("/v1/chat/completions", json=body)

@@ -5,6 +5,7 @@ are checked without starting a cluster."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -179,3 +180,73 @@ def test_the_ingress_sends_plain_requests_to_the_batcher_and_questions_to_plan_t
     assert answers["completion"].usage.completion_tokens > 0 and answers["streamed"][-1]["choices"][0]["finish_reason"]
     assert answers["plato"].mode in ("plato", "ar") and answers["sot"].choices[0].message.content
     assert health == {"healthy": True} and info["id"] == service.model_name
+
+
+def _logprob_values(entries) -> list[float]:
+    return [e["logprob"] if isinstance(e, dict) else e.logprob for e in entries]
+
+
+def test_logprobs_of_an_answer_cut_and_resumed_by_the_batcher_are_those_of_direct_decoding(path, decode_alone,
+                                                                                          tiny_tokenizer):
+    from deployments.openai_schema import RequestError
+
+    service, batcher, _, _ = path
+
+    async def main():
+        response = await service.complete(chat("hello there", logprobs=True, top_logprobs=1))
+        try:
+            await service.complete(chat("Explain why the sky is blue.", mode="plato", logprobs=True))
+        except RequestError as exc:
+            return response, await batcher.stats(), exc.param
+        return response, await batcher.stats(), None
+
+    response, stats, refused = run(main())
+    prompt = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)
+    direct = decode_alone(list(prompt), max_tokens=20, logprobs=1)
+    content = response.choices[0].logprobs["content"]
+    assert stats["requeues"] >= 2  # predicted 7: cut at 8 and at 16, resumed each time
+    assert [c["token"] for c in content] == [e.token for e in direct.logprobs]
+    assert _logprob_values(content) == pytest.approx(_logprob_values(direct.logprobs), abs=1e-4)
+    assert refused == "logprobs"
+
+
+def test_a_replica_that_dies_mid_answer_leaves_the_resumed_answer_every_tokens_logprob_once(make_engine,
+                                                                                           decode_alone):
+    decoder = DecoderReplica({}, engine=make_engine(max_batch_size=4))
+    calls = []
+
+    async def dies_once(batch):  # the first batch's replica stops (its engine drops the batch) mid-answer
+        calls.append(batch)
+        sent = 0
+        async with contextlib.aclosing(decoder.run_batch(batch)) as messages:
+            async for message in messages:
+                if len(calls) == 1 and sent == 5:
+                    raise ConnectionError("replica died")
+                sent += 1
+                yield message
+
+    batcher = BatcherActor({"bins": {"edges": [64]}}, send_batch=dies_once,
+                           dispatch={"stream_interval_s": 0})
+    prompt = [1, 3, 40, 41, 42, 2, 1, 4]
+    request = GenerationRequest(prompt_ids=prompt, params=SamplingParams(max_tokens=16, logprobs=2))
+
+    async def main():
+        streamed, result = [], None
+        async for item in batcher.stream(request.model_dump(mode="json")):
+            if "event" in item:
+                streamed += item["event"]["logprobs"]
+            else:
+                result = item["result"]
+        return streamed, result
+
+    try:
+        streamed, result = run(main())
+    finally:
+        decoder.engine.shutdown()
+    direct = decode_alone(prompt, max_tokens=16, logprobs=2)
+    resumed = calls[1]["requests"][0]
+    assert len(calls) == 2 and 0 < len(resumed["resume_logprobs"]) == len(resumed["resume_ids"]) < 16
+    assert result["token_ids"] == direct.token_ids, (result["token_ids"], direct.token_ids)
+    assert streamed == result["logprobs"]
+    assert _logprob_values(result["logprobs"]) == pytest.approx(_logprob_values(direct.logprobs), abs=1e-4)
