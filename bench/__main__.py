@@ -7,6 +7,7 @@ import os
 import sys
 
 SCENARIOS = {
+    "choices": "bench.choices_bench",
     "engine": "bench.engine_bench",
     "plato": "bench.plato_bench",
     "judge": "bench.judge",

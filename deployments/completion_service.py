@@ -256,11 +256,9 @@ class CompletionService:
                     self.observer.first_token(time.perf_counter() - started)
                 first = False
                 logprobs = None
-                if item.logprobs is None:
-                    pass
-                elif isinstance(request, CompletionRequest):
+                if item.logprobs is not None and isinstance(request, CompletionRequest):
                     logprobs, offsets[index] = completion_logprobs(item.logprobs, offsets[index])
-                else:
+                elif item.logprobs is not None:
                     logprobs = chat_logprobs(item.logprobs)
                 yield chunk.piece(item.text, index=index, logprobs=logprobs)
         self._observe(PLAIN_MODE, False, False, started)
