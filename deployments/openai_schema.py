@@ -136,9 +136,9 @@ class ChatCompletionRequest(_RequestFields):
 
     @field_validator("tool_choice", "function_call")
     @classmethod
-    def _no_calls(cls, value, info):
+    def _no_calls(cls, value):
         if value not in (None, "none"):
-            raise ValueError(f"{info.field_name}: no tools are served, so only 'none' is accepted")
+            raise ValueError("no tools are served, so only 'none' is accepted")
         return value
 
     @property
