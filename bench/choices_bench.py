@@ -1,8 +1,9 @@
-"""`python -m bench choices`: OpenAI's `n` (several sampled answers to one prompt) through the
-completion service on the embedded model, with the prompt marked shared so the engine computes it
-once (as served), against the same choices each prefilling the whole prompt. The prompts are the
-longest ShareGPT prompts of data/sharegpt_serve.jsonl, each used once (the prefix cache would
-otherwise serve a repeated prompt to both sides); the sides take turns prompt by prompt.
+"""`python -m bench choices`: OpenAI's `n` (several sampled answers to one prompt) on the embedded
+model's engine, the choices built as the completion service builds them, with the prompt marked
+shared so the engine computes it once (as served), against the same choices each prefilling the
+whole prompt. The prompts are the longest ShareGPT prompts of data/sharegpt_serve.jsonl, each used
+once (the prefix cache would otherwise serve a repeated prompt to both sides); the sides take turns
+prompt by prompt.
 Writes bench/results/choices.json."""
 from __future__ import annotations
 
@@ -10,38 +11,30 @@ import argparse
 import asyncio
 import time
 
-import deployments.completion_service as completion_service
 from bench.common import load_jsonl, machine, table, write_result
-from deployments.completion_service import ApiLimits, CompletionService
+from deployments.completion_service import ApiLimits, CompletionService, choice_requests
 from deployments.openai_schema import ChatCompletionRequest
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 
 
-def _unshared(request, n):
-    """The served siblings, but each prefilling its whole prompt."""
-    return [r.model_copy(update={"shared_prefix_len": 0}) for r in SERVED_SIBLINGS(request, n)]
-
-
-SERVED_SIBLINGS = completion_service._siblings
-
-
-async def _side_by_side(service: CompletionService, engine: AsyncEngine, prompts: list[str], n: int,
-                        max_tokens: int) -> dict:
-    sides = {"shared": SERVED_SIBLINGS, "unshared": _unshared}
-    out = {name: {"seconds": [], "prefill_tokens": []} for name in sides}
+async def _side_by_side(service: CompletionService, prompts: list[str], n: int, max_tokens: int) -> dict:
+    """Each prompt's n choices as served (`choice_requests`) and with every choice prefilling its prompt."""
+    engine = service.engine
+    out = {name: {"seconds": [], "prefill_tokens": []} for name in ("shared", "unshared")}
     for i, prompt in enumerate(prompts):
-        for name, siblings in (sides.items() if i % 2 == 0 else reversed(sides.items())):
-            completion_service._siblings = siblings
+        for name in ("shared", "unshared") if i % 2 == 0 else ("unshared", "shared"):
             request = ChatCompletionRequest(messages=[{"role": "user", "content": f"({name}) {prompt}"}], n=n,
                                             max_tokens=max_tokens, temperature=0.8, seed=i)
+            choices = choice_requests(await service.to_engine_request(request), n)
+            if name == "unshared":
+                choices = [c.model_copy(update={"shared_prefix_len": 0}) for c in choices]
             before = (await engine.call(lambda e: e.stats()))["prefill_tokens"]
             started = time.perf_counter()
-            await service.complete(request)
+            await asyncio.gather(*(engine.generate(c) for c in choices))
             out[name]["seconds"].append(round(time.perf_counter() - started, 3))
             out[name]["prefill_tokens"].append((await engine.call(lambda e: e.stats()))["prefill_tokens"] - before)
-    completion_service._siblings = SERVED_SIBLINGS
     return out
 
 
@@ -61,8 +54,8 @@ def run(argv: list[str]) -> dict:
     engine = AsyncEngine(lambda: LLMEngine.from_config(config))
     service = CompletionService(engine, ApiLimits(max_choices=args.n))
     try:
-        asyncio.run(_side_by_side(service, engine, prompts[:1], args.n, max_tokens))
-        sides = asyncio.run(_side_by_side(service, engine, prompts[1:], args.n, max_tokens))
+        asyncio.run(_side_by_side(service, prompts[:1], args.n, max_tokens))
+        sides = asyncio.run(_side_by_side(service, prompts[1:], args.n, max_tokens))
     finally:
         engine.shutdown()
     shared, unshared = (sum(sides[s]["seconds"]) for s in ("shared", "unshared"))

@@ -43,7 +43,7 @@ def _usage(results: list[Result]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _siblings(request: GenerationRequest, n: int) -> list[GenerationRequest]:
+def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
     """`n` engine requests for n choices of one prompt. Their prompt, but for its last token, is
     marked shared, so an engine computes it once and the other choices start from its cached KV;
     with a seed, choice i samples with seed + i, so the choices differ and each replays."""
@@ -206,7 +206,7 @@ class CompletionService:
             answer = await self._plan_and_answer(request, engine_request)
             self._observe(answer.mode, True, answer.fallback is not None, started)
             return self._planned_response(request, engine_request, answer)
-        results = await _all(self.engine.generate(r) for r in _siblings(engine_request, request.n))
+        results = await _all(self.engine.generate(r) for r in choice_requests(engine_request, request.n))
         self._observe(PLAIN_MODE, False, False, started)
         usage = _usage(results)
         if isinstance(request, CompletionRequest):
@@ -247,7 +247,7 @@ class CompletionService:
             for index in range(request.n):
                 yield chunk.opening(index)
         first, results, offsets = True, [], [0] * request.n
-        async for index, item in self._events(_siblings(engine_request, request.n)):
+        async for index, item in self._events(choice_requests(engine_request, request.n)):
             if isinstance(item, Result):
                 results.append(item)
                 yield chunk.piece("", _finish(item), index)

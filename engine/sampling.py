@@ -91,8 +91,7 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int], tops: list[int],
     tokens. `text(token)` gives a token's text."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     picked = logprobs.gather(1, torch.tensor(chosen, device=logprobs.device)[:, None])[:, 0].tolist()
-    most = max(tops)
-    values, ids = logprobs.topk(most, dim=-1) if most else (logprobs[:, :0], logprobs[:, :0].long())
+    values, ids = logprobs.topk(max(tops), dim=-1)  # k may be 0: empty rows
     values, ids = values.tolist(), ids.tolist()
     return [
         TokenLogprob(token_id=token, token=text(token), logprob=p,
