@@ -19,6 +19,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped; requests cannot be served by this replica."""
 
 
+class RequestSuperseded(RuntimeError):
+    """The same request id was streamed again (a retry): this older attempt was aborted for it."""
+
+
 class _Subscriber:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -83,16 +87,25 @@ class AsyncEngine:
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Result]:
         """Yield the request's token events as they are produced, then its `Result`.
 
-        Leaving the iteration early (client gone, task cancelled) aborts the request."""
-        if request.id in self._subscribers:
-            raise ValueError(f"id: request '{request.id}' is already in flight")
+        Leaving the iteration early (client gone, task cancelled) aborts the request. Streaming an id
+        that is still in flight aborts the older attempt, whose stream raises `RequestSuperseded`."""
         subscriber = _Subscriber(asyncio.get_running_loop())
 
         def add(engine: Engine) -> None:
+            # The batcher refuses duplicate ids, so an id that is still in flight here is its retry of an
+            # attempt it gave up on (the call failed while this replica lived on): the newest attempt wins.
+            superseded = self._subscribers.pop(request.id, None)
+            if superseded is not None:  # (a stream that already ended queued its own abort before this)
+                _abort_and_drop(engine, request.id)
+                superseded.push(RequestSuperseded(f"request '{request.id}' was streamed again; this attempt is dropped"))
             engine.add(request)
             # subscribed on the engine thread, after the add: a step that ran before it cannot hand this
-            # stream the last events of an aborted request that had the same id (a batcher's retry)
+            # stream the last events of an aborted request that had the same id
             self._subscribers[request.id] = subscriber
+
+        def abort_unless_superseded(engine: Engine) -> None:
+            if self._subscribers.get(request.id) in (None, subscriber):
+                _abort_and_drop(engine, request.id)
 
         added = done = False
         try:
@@ -110,7 +123,7 @@ class AsyncEngine:
             if self._subscribers.get(request.id) is subscriber:
                 del self._subscribers[request.id]
             if added and not done and self.error is None and self._thread.is_alive():
-                self._inbox.put((lambda engine: _abort_and_drop(engine, request.id), None))
+                self._inbox.put((abort_unless_superseded, None))
                 self._wake.set()
 
     async def generate(self, request: GenerationRequest) -> Result:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, RequestSuperseded
 from engine.base import Engine
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
 
@@ -176,26 +176,42 @@ def test_engine_that_raises_fails_pending_requests_and_turns_unhealthy(serve):
     assert health["healthy"] is False and "boom" in health["error"]
 
 
-def test_duplicate_id_is_refused_without_harming_the_first_request(serve):
+def test_an_id_streamed_again_while_in_flight_supersedes_the_first_attempt(serve, decode_alone):
+    # the batcher's retry after a failed call, landing on a replica that lives on with the old stream open
     async_engine = serve(step_delay_s=0.002)
 
     async def main():
-        first_event = asyncio.Event()
+        first = async_engine.stream(req("dup", [5, 6, 7], max_tokens=300))
+        await anext(first)
+        second = [item async for item in async_engine.stream(req("dup", [8, 9], max_tokens=12))]
+        with pytest.raises(RequestSuperseded, match="dup"):
+            async for _ in first:
+                pass
+        await asyncio.sleep(0.05)  # the first stream's own cleanup must not abort anything now
+        return second, await async_engine.call(lambda e: (e.has_work(), dict(e._results)))
 
-        async def first():
-            async for item in async_engine.stream(req("dup", [5, 6, 7], max_tokens=30)):
-                first_event.set()
-                if isinstance(item, Result):
-                    return item
+    items, (has_work, leftover) = run(main())
+    assert items[-1].finish_reason == FinishReason.LENGTH
+    assert [t for e in items[:-1] for t in e.token_ids] == items[-1].token_ids
+    assert items[-1].token_ids == decode_alone([8, 9], max_tokens=12).token_ids
+    assert not has_work and leftover == {}
 
-        task = asyncio.create_task(first())
-        await first_event.wait()
-        with pytest.raises(ValueError, match="^id:"):
-            await async_engine.generate(req("dup", [8, 9], max_tokens=3))
-        return await asyncio.wait_for(task, 2)
 
-    result = run(main())
-    assert result.finish_reason == FinishReason.LENGTH and len(result.token_ids) == 30
+def test_the_superseded_streams_cleanup_does_not_abort_the_retry(serve, decode_alone):
+    # the older stream is closed only after its retry was added: its queued abort must spare the retry
+    async_engine = serve(step_delay_s=0.002)
+
+    async def main():
+        first = async_engine.stream(req("dup", [5, 6, 7], max_tokens=300))
+        await anext(first)
+        second = async_engine.stream(req("dup", [8, 9], max_tokens=20))
+        head = await anext(second)
+        await first.aclose()
+        return [head] + [item async for item in second]
+
+    items = run(main())
+    assert items[-1].finish_reason == FinishReason.LENGTH
+    assert items[-1].token_ids == decode_alone([8, 9], max_tokens=20).token_ids
 
 
 def test_call_racing_with_engine_death_fails_instead_of_hanging(serve):

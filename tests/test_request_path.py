@@ -250,3 +250,40 @@ def test_a_replica_that_dies_mid_answer_leaves_the_resumed_answer_every_tokens_l
     assert result["token_ids"] == direct.token_ids, (result["token_ids"], direct.token_ids)
     assert streamed == result["logprobs"]
     assert _logprob_values(result["logprobs"]) == pytest.approx(_logprob_values(direct.logprobs), abs=1e-4)
+
+
+def test_a_call_that_fails_while_its_replica_lives_on_is_retried_there_and_answered_in_full(make_engine,
+                                                                                           decode_alone):
+    # the batcher gives up on a call (a network error, say) while the replica keeps the old stream open;
+    # the retry, under the same request id, lands on that replica and must replace the old attempt
+    decoder = DecoderReplica({}, engine=make_engine(max_batch_size=4))
+    calls, abandoned = [], []
+
+    async def fails_once(batch):
+        calls.append(batch)
+        messages = decoder.run_batch(batch)
+        if len(calls) == 1:
+            abandoned.append(messages)  # never closed by the caller: the replica still streams it
+        sent = 0
+        async for message in messages:
+            if len(calls) == 1 and sent == 3:
+                raise ConnectionError("call lost")
+            sent += 1
+            yield message
+
+    batcher = BatcherActor({"bins": {"edges": [64]}}, send_batch=fails_once, dispatch={"stream_interval_s": 0})
+    prompt = [1, 3, 40, 41, 42, 2, 1, 4]
+
+    async def main():
+        try:
+            return await batcher.submit(GenerationRequest(prompt_ids=prompt, params=SamplingParams(max_tokens=16))
+                                        .model_dump(mode="json"))
+        finally:
+            await abandoned[0].aclose()
+
+    try:
+        result = run(main())
+    finally:
+        decoder.engine.shutdown()
+    assert len(calls) == 2 and 0 < len(calls[1]["requests"][0]["resume_ids"]) < 16
+    assert result["token_ids"] == decode_alone(prompt, max_tokens=16).token_ids
