@@ -81,6 +81,8 @@ def _merged(events: list[dict]) -> dict:
               "text": "".join(e["text"] for e in events)}
     if events[-1].get("logprobs") is not None:
         merged["logprobs"] = [lp for e in events for lp in e["logprobs"] or []]
+    merged["prompt_logprobs"] = next((e["prompt_logprobs"] for e in events if e.get("prompt_logprobs") is not None),
+                                     None)  # an attempt's first event has them
     return merged
 
 

@@ -27,7 +27,7 @@ async def _side_by_side(service: CompletionService, prompts: list[str], n: int, 
         for name in ("shared", "unshared") if i % 2 == 0 else ("unshared", "shared"):
             request = ChatCompletionRequest(messages=[{"role": "user", "content": f"({name}) {prompt}"}], n=n,
                                             max_tokens=max_tokens, temperature=0.8, seed=i)
-            choices = choice_requests(await service.to_engine_request(request), n)
+            choices = choice_requests((await service.to_engine_requests(request))[0], n)
             if name == "unshared":
                 choices = [c.model_copy(update={"shared_prefix_len": 0}) for c in choices]
             before = (await engine.call(lambda e: e.stats()))["prefill_tokens"]

@@ -9,6 +9,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from deployments.openai_schema import RequestError
 
 RETRY_AFTER_S = 1
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's: keyed like /v1, never queued
 
 
 def _route_path(scope: Scope) -> str:
@@ -26,7 +27,7 @@ def _bearer(scope: Scope) -> str | None:
 
 
 class Admission:
-    """Refuses a /v1 request without the API key (401, when a key is set), or a completion request
+    """Refuses a /v1 (or tokenizer) request without the API key (401, when a key is set), or a completion request
     once this replica already holds `max_in_flight` of them (503 with Retry-After), and counts the
     rest until their response, streamed or not, is fully sent. Other routes (/healthz, /docs) pass untouched.
 
@@ -41,10 +42,12 @@ class Admission:
         self.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not _route_path(scope).startswith("/v1/"):
+        path = _route_path(scope) if scope["type"] == "http" else ""
+        if not (path.startswith("/v1/") or path in TOKENIZER_ROUTES):
             await self.app(scope, receive, send)
             return
-        generates = scope.get("method") == "POST"  # GET /v1/models is cheap: it never waits for room
+        # GET /v1/models and the tokenizer routes are cheap: they never wait for room
+        generates = scope.get("method") == "POST" and path.startswith("/v1/")
         refusal = self._refusal(scope, generates)
         if refusal is not None:
             await refusal(scope, receive, send)

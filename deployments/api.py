@@ -11,7 +11,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deployments.admission import Admission
-from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIRequest, RequestError
+from deployments.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIRequest,
+    RequestError,
+    TokenizeRequest,
+)
 
 
 class CompletionBackend(Protocol):
@@ -25,6 +32,12 @@ class CompletionBackend(Protocol):
     async def info(self) -> dict: ...
 
     async def health(self) -> dict: ...
+
+    async def tokenize(self, request: TokenizeRequest) -> dict: ...
+
+    async def detokenize(self, request: DetokenizeRequest) -> dict: ...
+
+    async def tokenizer_info(self) -> dict: ...
 
 
 def _field_path(loc: tuple) -> str:
@@ -78,6 +91,20 @@ def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight
         card = {"id": info["id"], "object": "model", "created": int(time.time()), "owned_by": "plato-serve",
                 "max_model_len": info["max_model_len"]}
         return {"object": "list", "data": [card]}
+
+    # vLLM's tokenizer routes, outside /v1 as vLLM has them: lm-evaluation-harness's API models look for
+    # them and then tokenize through the server, so no client needs the model's files
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        return await request.app.state.backend.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        return await request.app.state.backend.detokenize(body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        return await request.app.state.backend.tokenizer_info()
 
     @app.get("/healthz")
     async def healthz(request: Request):

@@ -17,15 +17,16 @@ from deployments.openai_schema import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     Choice,
-    ChunkChoice,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIRequest,
     RequestError,
-    TextChoice,
     TextCompletion,
+    TokenizeRequest,
     Usage,
 )
-from deployments.openai_logprobs import chat_logprobs, completion_logprobs
+from deployments.openai_logprobs import chat_logprobs
+from deployments.text_completions import Echo, StreamedText, scored_only, text_choice
 from engine.async_engine import AsyncEngine
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
 from graph.orchestrator import Answer, Orchestrator
@@ -37,9 +38,11 @@ def _finish(result: Result) -> str:
     return "length" if result.finish_reason in (FinishReason.LENGTH, FinishReason.CUT) else "stop"
 
 
-def _usage(results: list[Result]) -> Usage:
-    """OpenAI's usage for n choices of one prompt: the prompt counted once, every choice's answer."""
-    prompt, completion = results[0].prompt_tokens, sum(r.completion_tokens for r in results)
+def _usage(results: list[Result], n: int) -> Usage:
+    """OpenAI's usage for n choices of each prompt (results in choice order): each prompt counted
+    once, every choice's answer."""
+    prompt = sum(r.prompt_tokens for r in results[::n])
+    completion = sum(r.completion_tokens for r in results)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -117,24 +120,36 @@ class CompletionService:
         self.model_name = engine.engine.model_name
         self.max_model_len = engine.engine.max_model_len
 
-    async def _encode(self, request: OpenAIRequest) -> tuple[list[int], str]:
-        """The prompt's token ids and the field that holds the prompt. Tokenized on the engine
+    async def _encode(self, request: OpenAIRequest) -> tuple[list[list[int]], str]:
+        """Each prompt's token ids, and the field that holds the prompts. Tokenized on the engine
         thread: the tokenizer is not shared across threads."""
-        if isinstance(request, CompletionRequest):
-            text = request.prompt
-            return await self.engine.call(lambda engine: engine.encode(text)), "prompt"
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        return await self.engine.call(lambda engine: engine.encode_chat(messages)), "messages"
+        if isinstance(request, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            return [await self.engine.call(lambda engine: engine.encode_chat(messages))], "messages"
+        encoded = []
+        for prompt in request.prompts:
+            if isinstance(prompt, str):
+                encoded.append(await self.engine.call(lambda engine, text=prompt: engine.encode(text)))
+                continue
+            vocabulary = await self.engine.call(lambda engine: len(engine.tokenizer))
+            if max(prompt) >= vocabulary:
+                raise RequestError("prompt", f"token id {max(prompt)} is not in the model's vocabulary of {vocabulary}")
+            encoded.append(list(prompt))
+        return encoded, "prompt"
 
-    async def to_engine_request(self, request: OpenAIRequest) -> GenerationRequest:
-        if request.model is not None and request.model != self.model_name:
-            raise RequestError(
-                "model",
-                f"the model `{request.model}` does not exist; this server serves `{self.model_name}`",
-                status=404,
-                code="model_not_found",
-            )
-        prompt_ids, param = await self._encode(request)
+    async def to_engine_requests(self, request: OpenAIRequest) -> list[GenerationRequest]:
+        """One engine request per prompt (a chat request has one), checked against the served model
+        and the limits."""
+        self._check_model(request.model)
+        prompts, param = await self._encode(request)
+        return [self._engine_request(request, prompt_ids, param) for prompt_ids in prompts]
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError("model", f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                               status=404, code="model_not_found")
+
+    def _engine_request(self, request: OpenAIRequest, prompt_ids: list[int], param: str) -> GenerationRequest:
         limit = self.limits.max_prompt_tokens
         if limit is not None and len(prompt_ids) > limit:
             raise RequestError(param, f"the prompt has {len(prompt_ids)} tokens; this server accepts at most {limit}")
@@ -144,6 +159,9 @@ class CompletionService:
                 param, f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_model_len}"
             )
         asked = request.requested_max_tokens
+        if asked == 0 and not (isinstance(request, CompletionRequest) and request.echo):
+            raise RequestError("max_tokens", "0 generates nothing: it only serves with echo (and logprobs, to score "
+                               "the prompt)")
         if asked is not None and asked > self.limits.max_tokens_limit:
             raise RequestError("max_tokens", f"{asked} is above this server's limit of {self.limits.max_tokens_limit}")
         if asked is not None and asked > room:
@@ -152,6 +170,8 @@ class CompletionService:
                 f"{asked} new tokens do not fit: the prompt has {len(prompt_ids)} tokens and the context "
                 f"is {self.max_model_len}, so at most {room} remain",
             )
+        if asked == 0:
+            asked = 1  # the engine samples at least one token; scored_only drops it
         params = SamplingParams(
             max_tokens=asked or min(self.limits.default_max_tokens, room),
             temperature=request.temperature,
@@ -162,6 +182,7 @@ class CompletionService:
             stop=request.stop,
             stop_on_loop=self.limits.stop_on_loop,
             logprobs=request.logprobs_asked,
+            prompt_logprobs=request.prompt_logprobs_asked,
         )
         return GenerationRequest(prompt_ids=prompt_ids, params=params)
 
@@ -190,8 +211,12 @@ class CompletionService:
 
     def _check_choices(self, request: OpenAIRequest) -> None:
         """n and logprobs are for plain answers: a planned one is one text assembled from its nodes."""
-        if request.n > self.limits.max_choices:
-            raise RequestError("n", f"{request.n} choices asked; this server gives at most {self.limits.max_choices}")
+        prompts = len(request.prompts)
+        if request.n * prompts > self.limits.max_choices:
+            field, asked = ("n", f"{request.n} choices") if prompts == 1 else (
+                "prompt", f"{prompts} prompts with {request.n} choices each")
+            raise RequestError(field, f"{asked} asked; this server gives at most {self.limits.max_choices} choices "
+                               "to a request")
         if request.n > 1 and self._planned(request):
             raise RequestError("n", f"a planned answer (mode '{request.mode}') has one choice; ask n > 1 with mode 'ar'")
         if request.logprobs_asked is not None and self._planned(request):
@@ -201,38 +226,53 @@ class CompletionService:
     async def complete(self, request: OpenAIRequest) -> ChatCompletionResponse | TextCompletion:
         started = time.perf_counter()
         self._check_choices(request)
-        engine_request = await self.to_engine_request(request)
+        engine_requests = await self.to_engine_requests(request)
         if self._planned(request):
-            answer = await self._plan_and_answer(request, engine_request)
+            answer = await self._plan_and_answer(request, engine_requests[0])
             self._observe(answer.mode, True, answer.fallback is not None, started)
-            return self._planned_response(request, engine_request, answer)
-        results = await _all(self.engine.generate(r) for r in choice_requests(engine_request, request.n))
+            return self._planned_response(request, engine_requests[0], answer)
+        choices = [c for r in engine_requests for c in choice_requests(r, request.n)]
+        results = await _all(self.engine.generate(c) for c in choices)
         self._observe(PLAIN_MODE, False, False, started)
-        usage = _usage(results)
         if isinstance(request, CompletionRequest):
-            text_choices = [TextChoice(index=i, text=r.text, finish_reason=_finish(r),
-                                       logprobs=completion_logprobs(r.logprobs)[0] if r.logprobs is not None else None)
-                            for i, r in enumerate(results)]
-            return TextCompletion(model=self.model_name, choices=text_choices, usage=usage)
+            if request.max_tokens == 0:
+                results = [scored_only(r) for r in results]
+            echoes = await self._echoes(request, engine_requests)
+            text_choices = [text_choice(i, r, echoes[i // request.n], _finish(r)) for i, r in enumerate(results)]
+            return TextCompletion(model=self.model_name, choices=text_choices, usage=_usage(results, request.n))
         choices = [Choice(index=i, message=AssistantMessage(content=r.text), finish_reason=_finish(r),
                           logprobs=chat_logprobs(r.logprobs) if r.logprobs is not None else None)
                    for i, r in enumerate(results)]
-        return ChatCompletionResponse(model=self.model_name, choices=choices, usage=usage, mode=PLAIN_MODE)
+        return ChatCompletionResponse(model=self.model_name, choices=choices, usage=_usage(results, request.n),
+                                      mode=PLAIN_MODE)
+
+    async def _echoes(self, request: CompletionRequest, engine_requests: list[GenerationRequest]) -> list[Echo | None]:
+        """Per prompt, what its choices echo (None each without `echo`)."""
+        if not request.echo:
+            return [None] * len(engine_requests)
+
+        def echo(engine, prompt: str | list[int], ids: list[int]) -> Echo:
+            text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
+            return Echo(text=text, first_token=engine.tokenizer.decode(ids[:1]))
+
+        return [await self.engine.call(lambda engine, p=p, r=r: echo(engine, p, r.prompt_ids))
+                for p, r in zip(request.prompts, engine_requests)]
 
     async def stream(self, request: OpenAIRequest) -> AsyncIterator[dict]:
         """OpenAI chunk dicts (`chat.completion.chunk`, or `text_completion` for a raw prompt): for
         chat the role first, then text pieces as tokens arrive, the finish reason, then usage when
-        `stream_options.include_usage` asks; with n choices, each chunk's choice carries its index.
-        The request is checked before the first chunk, so a bad one fails before anything is sent."""
+        `stream_options.include_usage` asks; with n choices (of each prompt), each chunk's choice
+        carries its index. The request is checked before the first chunk, so a bad one fails before
+        anything is sent."""
         started = time.perf_counter()
         self._check_choices(request)
-        engine_request = await self.to_engine_request(request)
+        engine_requests = await self.to_engine_requests(request)
         if self._planned(request):  # a planned answer is assembled from its nodes, then sent whole
-            answer = await self._plan_and_answer(request, engine_request)
+            answer = await self._plan_and_answer(request, engine_requests[0])
             self._observe(answer.mode, True, answer.fallback is not None, started)
             if self.observer is not None:
                 self.observer.first_token(time.perf_counter() - started)
-            response = self._planned_response(request, engine_request, answer)
+            response = self._planned_response(request, engine_requests[0], answer)
             chunk = ChatCompletionChunk(model=self.model_name, choices=[], mode=response.mode)
             yield chunk.opening()
             yield chunk.piece(response.choices[0].message.content)
@@ -240,30 +280,35 @@ class CompletionService:
             if request.include_usage:
                 yield chunk.model_copy(update={"choices": [], "usage": response.usage}).model_dump()
             return
+        choices = [c for r in engine_requests for c in choice_requests(r, request.n)]
+        texts = None
         if isinstance(request, CompletionRequest):
             chunk = TextCompletion(model=self.model_name, choices=[])
+            echoes = await self._echoes(request, engine_requests)
+            texts = [StreamedText(echoes[i // request.n], request.max_tokens != 0) for i in range(len(choices))]
         else:
             chunk = ChatCompletionChunk(model=self.model_name, choices=[], mode=PLAIN_MODE)
             for index in range(request.n):
                 yield chunk.opening(index)
-        first, results, offsets = True, [], [0] * request.n
-        async for index, item in self._events(choice_requests(engine_request, request.n)):
+        first, results = True, {}
+        async for index, item in self._events(choices):
             if isinstance(item, Result):
-                results.append(item)
-                yield chunk.piece("", _finish(item), index)
-            elif item.text or item.logprobs:
+                results[index] = item if texts is None or texts[index].generates else scored_only(item)
+                yield chunk.piece("", _finish(results[index]), index)
+                continue
+            if texts is not None:
+                text, logprobs = texts[index].piece(item)
+            else:
+                text, logprobs = item.text, chat_logprobs(item.logprobs) if item.logprobs is not None else None
+            if text or logprobs:
                 if first and self.observer is not None:
                     self.observer.first_token(time.perf_counter() - started)
                 first = False
-                logprobs = None
-                if item.logprobs is not None and isinstance(request, CompletionRequest):
-                    logprobs, offsets[index] = completion_logprobs(item.logprobs, offsets[index])
-                elif item.logprobs is not None:
-                    logprobs = chat_logprobs(item.logprobs)
-                yield chunk.piece(item.text, index=index, logprobs=logprobs)
+                yield chunk.piece(text, index=index, logprobs=logprobs)
         self._observe(PLAIN_MODE, False, False, started)
         if request.include_usage:
-            yield chunk.model_copy(update={"choices": [], "usage": _usage(results)}).model_dump()
+            ordered = [results[i] for i in range(len(choices))]
+            yield chunk.model_copy(update={"choices": [], "usage": _usage(ordered, request.n)}).model_dump()
 
     async def _events(self, requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, TokenEvent | Result]]:
         """(choice index, token event or result) of every request, as each comes; one request's
@@ -293,6 +338,37 @@ class CompletionService:
         finally:
             for task in tasks:  # a client that goes away, or a choice that failed, aborts the rest
                 task.cancel()
+
+    # ---- vLLM's tokenizer routes (lm-evaluation-harness finds and uses them) ----------------------
+    async def tokenize(self, request: TokenizeRequest) -> dict:
+        self._check_model(request.model)
+        if request.messages is not None:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            tokens = await self.engine.call(lambda e: e.encode_chat(messages, request.add_generation_prompt))
+        else:
+            tokens = await self.engine.call(
+                lambda e: e.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": list(tokens)}
+
+    async def detokenize(self, request: DetokenizeRequest) -> dict:
+        self._check_model(request.model)
+
+        def decode(engine) -> str:
+            if request.tokens and not 0 <= min(request.tokens) <= max(request.tokens) < len(engine.tokenizer):
+                raise RequestError("tokens", f"token ids are from 0 to {len(engine.tokenizer) - 1} in this vocabulary")
+            return engine.tokenizer.decode(request.tokens)
+
+        return {"prompt": await self.engine.call(decode)}
+
+    async def tokenizer_info(self) -> dict:
+        def info(engine) -> dict:
+            tokenizer = engine.tokenizer
+            return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
+                    "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
+                    "chat_template": tokenizer.chat_template, "model_max_length": self.max_model_len,
+                    "vocab_size": len(tokenizer)}
+
+        return await self.engine.call(info)
 
     async def info(self) -> dict:
         return {"id": self.model_name, "max_model_len": self.max_model_len}

@@ -29,3 +29,16 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> tuple[d
         "text_offset": offsets,
     }
     return payload, offset
+
+
+def prompt_logprobs(first_token: str, entries: list[TokenLogprob]) -> tuple[dict, int]:
+    """An echoed prompt's part of a text choice's `logprobs`: its first token (no logprob, nothing
+    comes before it to score it by), then each later token's; and the offset after them."""
+    payload, offset = completion_logprobs(entries, len(first_token))
+    opening = {"tokens": first_token, "token_logprobs": None, "top_logprobs": None, "text_offset": 0}
+    return {key: [opening[key]] + values for key, values in payload.items()}, offset
+
+
+def joined(first: dict, second: dict) -> dict:
+    """Two parts of a text choice's `logprobs`, one after the other."""
+    return {key: first[key] + second[key] for key in first}

@@ -127,6 +127,14 @@ class ChatCompletionRequest(_RequestFields):
     def logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def prompts(self) -> list[list[ChatMessage]]:
+        return [self.messages]  # one conversation
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        return None  # chat has no echo
+
     @field_validator("tools", "functions")
     @classmethod
     def _unsupported(cls, value, info):
@@ -147,10 +155,16 @@ class ChatCompletionRequest(_RequestFields):
 
 
 class CompletionRequest(_RequestFields):
-    """OpenAI's legacy text completion: one raw prompt, decoded without a chat template."""
+    """OpenAI's legacy text completion: raw prompts, decoded without a chat template; with `echo` and
+    `logprobs`, scores the prompt too (what lm-evaluation-harness's `local-completions` asks)."""
 
-    prompt: str = Field(description="The text to continue: a string, or a list holding one string.")
-    echo: bool = Field(False, description="Only false: the answer never repeats the prompt.")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="The text to continue: a string, a list of token ids, or a list of either for several "
+        "prompts in one request (choice i * n + j answers prompt i).")
+    max_tokens: int | None = Field(None, ge=0, description="Most tokens to generate; 0 only with echo: the prompt "
+                                   "is scored and nothing generated.")
+    echo: bool = Field(False, description="Start each choice's text with its prompt; with logprobs, the prompt's "
+                       "tokens are scored too (the first has no logprob).")
     logprobs: int | None = Field(None, ge=0, le=20, description="Return each answer token's log probability "
                                  "and the this-many most likely tokens at its place.")
     suffix: str | None = Field(None, description="Not supported (no insertion); must be absent, null or empty.")
@@ -158,28 +172,44 @@ class CompletionRequest(_RequestFields):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value):
-        if isinstance(value, list):
-            if len(value) != 1:
-                raise ValueError(f"one prompt per request is supported, got {len(value)}")
-            return value[0]
+    def _prompt_shape(cls, value):
+        """One clear message for a prompt of the wrong shape, before the union would name its members."""
+        def one(item) -> bool:
+            return isinstance(item, str) or (isinstance(item, list) and all(type(t) is int for t in item))
+
+        several = isinstance(value, list) and all(one(item) for item in value) and len({type(i) for i in value}) <= 1
+        if not (one(value) or several):
+            raise ValueError("give a string, a list of token ids, or a list of either")
         return value
 
     @field_validator("prompt")
     @classmethod
-    def _prompt_not_blank(cls, value: str) -> str:
-        return _not_blank(value)
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported; leave it false")
+    def _prompts_not_empty(cls, value):
+        prompts = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
+        if not prompts:
+            raise ValueError("no prompt given")
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                _not_blank(prompt)
+            elif not prompt:
+                raise ValueError("a prompt of token ids is empty")
+            elif min(prompt) < 0:
+                raise ValueError("token ids are not negative")
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or several, each a string or token ids."""
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
 
     @property
     def logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("suffix")
     @classmethod
@@ -194,6 +224,36 @@ class CompletionRequest(_RequestFields):
         if value not in (None, 1):
             raise ValueError("only best_of 1 is supported; ask for several answers with n")
         return value
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a prompt's token ids (or a conversation's, with the chat template)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="The served model's name; any other name is a 404.")
+    prompt: str | None = Field(None, description="Text to tokenize as it is (give this or messages).")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, validate_default=True, description="A "
+                                               "conversation to tokenize with the chat template (give this or prompt).")
+    add_generation_prompt: bool = Field(True, description="With messages: end with the assistant's turn opening.")
+    add_special_tokens: bool = Field(False, description="With prompt: add the tokenizer's special tokens (BOS). "
+                                     "/v1/completions adds none, so the default gives its prompt's ids.")
+
+    @field_validator("messages")
+    @classmethod
+    def _one_of(cls, value, info):
+        if (value is None) == (info.data.get("prompt") is None):
+            raise ValueError("give either prompt or messages")
+        return value
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize: the text of token ids."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="The served model's name; any other name is a 404.")
+    tokens: list[int] = Field(description="Token ids of the served model's vocabulary.")
 
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from deployments.api import CompletionBackend
 from deployments.completion_service import CompletionService, is_planned
-from deployments.openai_schema import OpenAIRequest
+from deployments.openai_schema import DetokenizeRequest, OpenAIRequest, TokenizeRequest
 
 
 class RoutedBackend:
@@ -29,6 +29,15 @@ class RoutedBackend:
 
     async def info(self) -> dict:
         return await self.plain.info()
+
+    async def tokenize(self, request: TokenizeRequest) -> dict:
+        return await self.plain.tokenize(request)
+
+    async def detokenize(self, request: DetokenizeRequest) -> dict:
+        return await self.plain.detokenize(request)
+
+    async def tokenizer_info(self) -> dict:
+        return await self.plain.tokenizer_info()
 
     async def health(self) -> dict:
         return await self.planner.health()

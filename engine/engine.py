@@ -41,6 +41,8 @@ class _Sequence:
     copies: CopyGuard | None = None
     logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per generated token
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # those of new_tokens
+    prompt_logprobs: list[TokenLogprob] | None = None  # with params.prompt_logprobs, once the prompt is computed
+    prompt_scores_sent: bool = False  # in an event already: only the first event carries them
 
     @property
     def tokens(self) -> list[int]:
@@ -273,7 +275,8 @@ class LLMEngine(Engine):
         while self._waiting and len(self._running) < self.runner.max_slots:
             sequence = self._waiting[0][2]
             todo = sequence.tokens
-            hit = self.prefix_cache.longest_match(todo, count=False)
+            scores_prompt = sequence.request.params.prompt_logprobs is not None  # needs every prompt row's logits
+            hit = None if scores_prompt else self.prefix_cache.longest_match(todo, count=False)
             need = len(todo) - (len(hit.token_ids) if hit else 0)
             if admission.sequences and need > budget:
                 break
@@ -297,28 +300,33 @@ class LLMEngine(Engine):
             sequence.cached = sequence.prefix_hit
             if need:
                 admission.items.append(PrefillItem(sequence.slot, todo[sequence.prefix_hit :], sequence.prefix_hit,
-                                                   prefix_end=to_cache))
+                                                   prefix_end=to_cache, logit_rows=need if scores_prompt else 1))
         return admission
 
     def _settle_admission(self, admission: _Admission, logits: torch.Tensor | None) -> None:
-        """After the pass that computed the admitted prompts (`logits`: each item's last token's row, in
-        item order, then the rows after their shared prefixes, for the items that ask): cache those
-        prefixes and preambles, and sample each admitted sequence's first token."""
+        """After the pass that computed the admitted prompts (`logits`: each item's last `logit_rows`
+        rows, item after item, then the rows after their shared prefixes, for the items that ask): cache
+        those prefixes and preambles, score the prompts that ask, and sample each admitted sequence's
+        first token."""
         items = admission.items
-        prefix_rows = iter(range(len(items), len(logits))) if items else iter(())
-        rows, row = [], 0
+        prefix_rows = iter(range(sum(it.logit_rows for it in items), len(logits))) if items else iter(())
+        rows, index, first_row = [], 0, 0
         for sequence in admission.sequences:
             if sequence.cached < sequence.num_tokens:
                 self._stats["prefill_tokens"] += sequence.num_tokens - sequence.cached
-                item = items[row]
+                item = items[index]
+                last_row = first_row + item.logit_rows - 1
                 if item.prefix_end:
-                    after = logits[next(prefix_rows)] if item.prefix_row() is not None else logits[row]
+                    after = logits[next(prefix_rows)] if item.prefix_row() is not None else logits[last_row]
                     self._cache_prefix(sequence, item.prefix_end, after)
                 if sequence.prefix_hit < sequence.request.preamble_len < sequence.num_tokens:
                     # no logits: a preamble is never a whole prompt, so it only serves prompts that go on past it
                     self._cache_prefix(sequence, sequence.request.preamble_len, None)
-                rows.append(logits[row])
-                row += 1
+                if sequence.request.params.prompt_logprobs is not None:  # its item starts at the prompt's first token
+                    self._score_prompt(sequence, logits[first_row:last_row + 1])
+                rows.append(logits[last_row])
+                index += 1
+                first_row += item.logit_rows
                 sequence.cached = sequence.num_tokens
             else:  # the whole prompt was a cached prefix: its stored logits give the first token
                 rows.append(admission.cached_logits[id(sequence)])
@@ -356,6 +364,16 @@ class LLMEngine(Engine):
         tops = [batch[row].request.params.logprobs for row in rows]
         scored = token_logprobs(logits[rows], [chosen[row] for row in rows], tops, self._token_text)
         return dict(zip(rows, scored))
+
+    def _score_prompt(self, sequence: _Sequence, logits: torch.Tensor) -> None:
+        """Each prompt token's log probability after the first, from the rows of the tokens before it."""
+        prompt = sequence.request.prompt_ids
+        if len(prompt) < 2:
+            sequence.prompt_logprobs = []
+            return
+        k = sequence.request.params.prompt_logprobs
+        sequence.prompt_logprobs = token_logprobs(logits[: len(prompt) - 1], prompt[1:], [k] * (len(prompt) - 1),
+                                                  self._token_text)
 
     def _token_text(self, token: int) -> str:
         text = self._token_texts.get(token)
@@ -424,8 +442,10 @@ class LLMEngine(Engine):
             text=text[sequence.sent_chars : end],
             finish_reason=sequence.finish,
             logprobs=sequence.new_logprobs if sequence.logprobs is not None else None,
+            prompt_logprobs=None if sequence.prompt_scores_sent else sequence.prompt_logprobs,
         )
         sequence.new_tokens, sequence.new_logprobs, sequence.sent_chars = [], [], max(end, sequence.sent_chars)
+        sequence.prompt_scores_sent = sequence.prompt_logprobs is not None
         return event
 
     def _finish(self, sequence: _Sequence, reason: FinishReason) -> None:
@@ -467,6 +487,7 @@ class LLMEngine(Engine):
             prefix_hit_tokens=sequence.prefix_hit,
             kept_kv_tokens=sequence.kept_kv,
             logprobs=sequence.logprobs,
+            prompt_logprobs=sequence.prompt_logprobs,
         )
 
     # ---- prefixes and stats ---------------------------------------------------------------------

@@ -65,7 +65,7 @@ class PrefillItem:
     """One sequence to prefill: `token_ids` go into `slot` starting at cache position `start`.
     `prefix_end`: also give the logits after cache position `prefix_end - 1` (the end of a shared
     prefix that is cached as it is prefilled), when it falls inside this item and before its end.
-    `logit_rows` (decode's `extend` only): how many of the item's last tokens to give logits for."""
+    `logit_rows`: how many of the item's last tokens to give logits for."""
 
     slot: int
     token_ids: list[int]
@@ -266,10 +266,11 @@ class LlamaRunner:
 
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
-        """Run the new tokens of several sequences packed together; returns logits of each last token,
-        then those of each item's `prefix_end` (in item order, for the items that ask)."""
+        """Run the new tokens of several sequences packed together; returns logits of each item's last
+        `logit_rows` tokens, item after item, then those of each item's `prefix_end` (in item order,
+        for the items that ask)."""
         x, bounds = self.run_layers(items, self.layers)
-        rows = [hi - 1 for _, hi in bounds]
+        rows = [r for it, (_, hi) in zip(items, bounds) for r in range(hi - it.logit_rows, hi)]
         rows += [lo + it.prefix_row() for it, (lo, _) in zip(items, bounds) if it.prefix_row() is not None]
         return self.logits(x[torch.tensor(rows, device=self.device)])
 

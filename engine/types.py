@@ -47,6 +47,11 @@ class SamplingParams(BaseModel):
         None, ge=0, le=20,
         description="With a number k, every generated token carries its log probability under the model (its raw "
         "logits, before temperature, penalties and constraints) and the k most likely tokens at its place.")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20,
+        description="With a number k, the result carries every prompt token's log probability after the first "
+        "(given the tokens before it) and the k most likely tokens at its place: scoring text, as OpenAI's `echo` "
+        "with `logprobs` does. The whole prompt is then computed, never taken from the prefix cache.")
     constraint: str | None = Field(
         None,
         description="Name of a decoding constraint (see engine.constraints.CONSTRAINTS), e.g. 'plan_lines': "
@@ -148,6 +153,9 @@ class TokenEvent(BaseModel):
     text: str = Field(description="Text added by these tokens (may be empty while a character is incomplete).")
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = Field(None, description="With `params.logprobs`: one per token of token_ids.")
+    prompt_logprobs: list[TokenLogprob] | None = Field(
+        None, description="With `params.prompt_logprobs`, on an attempt's first event only: the prompt's scores, as "
+        "`Result.prompt_logprobs`.")
 
 
 class Result(BaseModel):
@@ -162,6 +170,9 @@ class Result(BaseModel):
     latency_s: float = Field(description="Seconds from add() to finish.")
     prefix_hit_tokens: int = Field(0, description="Prompt tokens served from the prefix cache.")
     logprobs: list[TokenLogprob] | None = Field(None, description="With `params.logprobs`: one per token of token_ids.")
+    prompt_logprobs: list[TokenLogprob] | None = Field(
+        None, description="With `params.prompt_logprobs`: one per prompt token after the first (the first has no "
+        "context to score it by).")
     kept_kv_tokens: int = Field(
         0, description="With `keep_kv`: how many leading tokens of prompt + answer were kept as a prefix (the "
         "last answer token has none when the answer ran to its length limit); 0 when nothing was kept.")

@@ -298,3 +298,14 @@ def test_a_message_cap_stretches_each_streams_interval_by_how_many_stream(cap):
         assert counts == [20] * 4
     else:  # four streaming at 40 messages/s: a message per stream each 0.1 s over 0.2 s of tokens
         assert all(n <= 8 for n in counts), counts
+
+
+def test_events_gathered_into_one_message_keep_the_prompts_scores_of_the_first():
+    from actors.batcher import _merged
+
+    score = {"token_id": 7, "token": "x", "logprob": -1.5, "top": []}
+    events = [{"request_id": "s", "token_ids": [1], "text": "a", "prompt_logprobs": [score]},
+              {"request_id": "s", "token_ids": [2], "text": "b", "prompt_logprobs": None}]
+    merged = _merged(events)
+    assert merged["token_ids"] == [1, 2] and merged["text"] == "ab" and merged["prompt_logprobs"] == [score]
+    assert _merged(events[1:] * 2)["prompt_logprobs"] is None

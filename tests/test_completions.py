@@ -63,13 +63,19 @@ def test_logprobs_are_openais_parallel_lists_streamed_or_not(client):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"prompt": [WORDS, WORDS]}, "prompt"),
+        ({"prompt": [WORDS] * 9}, "prompt"),
+        ({"prompt": [WORDS] * 3, "n": 3}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": "  "}, "prompt"),
-        ({"prompt": [[1, 2, 3]]}, "prompt"),
+        ({"prompt": [[1, 2], []]}, "prompt"),
+        ({"prompt": [5, -1]}, "prompt"),
+        ({"prompt": [5, 10**9]}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": ["a", [1, 2]]}, "prompt"),
         ({"prompt": None}, "prompt"),
         ({"prompt": " ".join(["baba"] * 200)}, "prompt"),
-        ({"echo": True}, "echo"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"echo": "maybe"}, "echo"),
         ({"logprobs": 21}, "logprobs"),
         ({"n": 9}, "n"),
         ({"suffix": " the end"}, "suffix"),
@@ -88,6 +94,127 @@ def test_prompt_limit_and_model_name_apply_as_for_chat(make_client):
     client = make_client(max_prompt_tokens=2)
     assert "at most 2" in assert_refused(_complete(client), 400, "prompt")["message"]
     assert_refused(_complete(client, prompt="baba", model="gpt-4"), 404, "model", "model_not_found")
+
+
+def test_several_prompts_are_answered_as_choices_in_prompt_order(client):
+    alone = [_complete(client, prompt=p, max_tokens=4).json() for p in (WORDS, "bobo")]
+    body = _complete(client, prompt=[WORDS, "bobo"], n=2, max_tokens=4).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == [alone[0]["choices"][0]["text"]] * 2 + [
+        alone[1]["choices"][0]["text"]] * 2
+    prompt_tokens = sum(a["usage"]["prompt_tokens"] for a in alone)  # each prompt once, not once per choice
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 16, "total_tokens": prompt_tokens + 16}
+    chunks = events(_complete(client, prompt=[WORDS, "bobo"], n=2, max_tokens=4, stream=True,
+                              stream_options={"include_usage": True}))
+    for choice in body["choices"]:
+        assert "".join(c["choices"][0]["text"] for c in chunks
+                       if c["choices"] and c["choices"][0]["index"] == choice["index"]) == choice["text"]
+    assert chunks[-1]["usage"] == body["usage"]
+
+
+def test_a_prompt_of_token_ids_is_the_text_it_encodes(client, tiny_tokenizer):
+    ids = tiny_tokenizer.encode(WORDS, add_special_tokens=False)
+    assert _complete(client, prompt=ids, max_tokens=5).json()["choices"] == \
+        _complete(client, max_tokens=5).json()["choices"]
+    assert _complete(client, prompt=[ids, ids], max_tokens=5).json()["usage"]["prompt_tokens"] == 2 * len(ids)
+
+
+def test_echo_puts_the_prompt_in_front_of_the_answer(client, tiny_tokenizer):
+    answer = _complete(client, max_tokens=5).json()["choices"][0]["text"]
+    assert _complete(client, max_tokens=5, echo=True).json()["choices"][0]["text"] == WORDS + answer
+    ids = tiny_tokenizer.encode(WORDS, add_special_tokens=False)
+    assert _complete(client, prompt=ids, max_tokens=5, echo=True).json()["choices"][0]["text"] == \
+        tiny_tokenizer.decode(ids) + answer
+
+
+def _hf_prompt_logprobs(model, ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, tiny_model, tiny_tokenizer):
+    # lm-evaluation-harness's local-completions: token ids, echo, logprobs 1, max_tokens 1; it sums
+    # token_logprobs[ctxlen:-1] for a continuation's loglikelihood
+    context = tiny_tokenizer.encode("baba babe", add_special_tokens=False)
+    continuation = tiny_tokenizer.encode(" babi bobo", add_special_tokens=False)
+    ids = context + continuation
+    body = _complete(client, prompt=[ids], max_tokens=1, logprobs=1, echo=True, temperature=0).json()
+    logprobs = body["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 1 and logprobs["token_logprobs"][0] is None
+    assert logprobs["top_logprobs"][0] is None and all(len(top) == 1 for top in logprobs["top_logprobs"][1:])
+    reference = _hf_prompt_logprobs(tiny_model, ids)
+    expected = [reference[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert logprobs["token_logprobs"][1:-1] == pytest.approx(expected, abs=1e-4)
+    loglikelihood = sum(logprobs["token_logprobs"][len(context):-1])
+    assert loglikelihood == pytest.approx(sum(expected[len(context) - 1:]), abs=1e-3)
+    greedy = [max(top.values()) for top in logprobs["top_logprobs"][1:]]
+    assert [lp >= g - 1e-6 for lp, g in zip(logprobs["token_logprobs"][1:], greedy)] == [
+        reference[i - 1].argmax().item() == ids[i] for i in range(1, len(ids))] + [True]  # the answer is greedy
+    assert logprobs["tokens"][:len(ids)] == [tiny_tokenizer.decode([t]) for t in ids]
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[len(ids)] == len(tiny_tokenizer.decode(ids))
+    assert body["usage"]["completion_tokens"] == 1
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_and_generates_nothing(client, tiny_tokenizer):
+    ids = tiny_tokenizer.encode(WORDS, add_special_tokens=False)
+    scored = _complete(client, prompt=WORDS, max_tokens=0, echo=True, logprobs=0).json()
+    with_answer = _complete(client, prompt=WORDS, max_tokens=2, echo=True, logprobs=0).json()
+    [choice] = scored["choices"]
+    assert choice["text"] == WORDS and choice["finish_reason"] == "length"
+    assert scored["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert choice["logprobs"] == {k: v[:len(ids)] for k, v in with_answer["choices"][0]["logprobs"].items()}
+    chunks = events(_complete(client, prompt=WORDS, max_tokens=0, echo=True, logprobs=0, stream=True))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == WORDS
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert {k: [x for part in streamed for x in part[k]] for k in choice["logprobs"]} == choice["logprobs"]
+
+
+def test_echo_with_logprobs_streams_what_it_answers_whole(client):
+    body = _complete(client, prompt=[WORDS, "bobo"], max_tokens=5, echo=True, logprobs=2).json()
+    chunks = events(_complete(client, prompt=[WORDS, "bobo"], max_tokens=5, echo=True, logprobs=2, stream=True))
+    for choice in body["choices"]:
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        parts = [c["logprobs"] for c in mine if c["logprobs"]]
+        assert {k: [x for part in parts for x in part[k]] for k in choice["logprobs"]} == choice["logprobs"]
+
+
+def test_tokenizer_routes_answer_as_vllms_do(client, tiny_tokenizer):
+    ids = tiny_tokenizer.encode(WORDS, add_special_tokens=False)
+    tokenized = client.post("/tokenize", json={"prompt": WORDS, "model": SERVED}).json()
+    assert tokenized == {"count": len(ids), "max_model_len": 128, "tokens": ids}
+    assert _complete(client, prompt=tokenized["tokens"], max_tokens=3).json()["usage"]["prompt_tokens"] == len(ids)
+    messages = [{"role": "user", "content": WORDS}]
+    chat = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert chat == tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+    assert client.post("/detokenize", json={"tokens": ids}).json() == {"prompt": tiny_tokenizer.decode(ids)}
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == tiny_tokenizer.eos_token and info["chat_template"] == tiny_tokenizer.chat_template
+    assert info["vocab_size"] == len(tiny_tokenizer)
+
+
+@pytest.mark.parametrize("route, body, status, param", [
+    ("/tokenize", {}, 400, "messages"),
+    ("/tokenize", {"prompt": WORDS, "messages": [{"role": "user", "content": "hi"}]}, 400, "messages"),
+    ("/tokenize", {"prompt": WORDS, "model": "other"}, 404, "model"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+])
+def test_tokenizer_routes_refuse_bad_input_naming_the_field(client, route, body, status, param):
+    error = client.post(route, json=body)
+    assert error.status_code == status, error.text
+    assert error.json()["error"]["param"] == param
+
+
+def test_tokenizer_routes_want_the_api_key_when_one_is_set(make_client):
+    keyed = make_client(api_key="k3y")
+    assert keyed.post("/tokenize", json={"prompt": WORDS}).status_code == 401
+    assert keyed.get("/tokenizer_info").status_code == 401
+    assert keyed.post("/tokenize", json={"prompt": WORDS}, headers={"Authorization": "Bearer k3y"}).status_code == 200
 
 
 openai = pytest.importorskip("openai")
@@ -128,7 +255,7 @@ def test_openai_client_raises_its_own_errors(keyed, make_client):
     with pytest.raises(openai.NotFoundError) as missing:
         keyed.completions.create(model="other", prompt=WORDS)
     assert missing.value.code == "model_not_found" and missing.value.param == "model"
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        keyed.completions.create(model=SERVED, prompt=WORDS, echo=True)
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        keyed.completions.create(model=SERVED, prompt=WORDS, suffix="!")
     with pytest.raises(openai.AuthenticationError):
         _openai(make_client(api_key="k3y"), api_key="wrong").completions.create(model=SERVED, prompt=WORDS)

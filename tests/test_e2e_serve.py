@@ -129,6 +129,27 @@ def test_openai_client_gets_n_choices_with_logprobs_streamed_or_not(server):
     assert texts == {c.index: c.message.content for c in reply.choices}
 
 
+def test_scores_continuations_as_lm_evaluation_harness_asks(server):
+    # local-completions' loglikelihood request: several prompts of token ids, echo, logprobs 1, max_tokens 1
+    openai = pytest.importorskip("openai")
+    from engine.config import EngineConfig
+    from engine.loader import load_tokenizer_and_context
+
+    tokenizer, _ = load_tokenizer_and_context(EngineConfig())
+    context = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    options = [tokenizer.encode(word, add_special_tokens=False) for word in (" Paris", " banana")]
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    reply = client.completions.create(model="embedded:smollm2-135m", prompt=[context + o for o in options],
+                                      echo=True, logprobs=1, max_tokens=1, temperature=0)
+    scores = []
+    for choice, option in zip(sorted(reply.choices, key=lambda c: c.index), options):
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(context) + len(option) + 1 and logprobs.token_logprobs[0] is None
+        scores.append(sum(logprobs.token_logprobs[len(context):-1]))
+    assert scores[0] > scores[1], scores
+    assert reply.usage.prompt_tokens == 2 * len(context) + sum(len(o) for o in options)
+
+
 def test_streaming_bad_input_is_400_before_any_event(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000, "stream": True}
     response = server.post("/v1/chat/completions", json=body)

@@ -93,3 +93,84 @@ def test_a_seeded_sample_cut_and_resumed_is_the_answer_never_cut(make_engine):
                                                  resume_logprobs=cut.logprobs, params=SamplingParams(**params))])[0]
     assert resumed.token_ids == whole.token_ids
     assert [e.logprob for e in resumed.logprobs] == pytest.approx([e.logprob for e in whole.logprobs], abs=1e-4)
+
+
+def _prompt_reference(model, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of the HF model's logits before each prompt token after the first: [len(prompt) - 1, vocab]."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0]
+    return torch.log_softmax(logits[:-1].float(), dim=-1)
+
+
+def _check_prompt_scores(entries, model, prompt: list[int], k: int) -> None:
+    reference = _prompt_reference(model, prompt)
+    assert [e.token_id for e in entries] == prompt[1:]
+    for place, entry in enumerate(entries):
+        assert entry.logprob == pytest.approx(reference[place, entry.token_id].item(), abs=1e-4)
+        values, ids = reference[place].topk(k)
+        assert [t.token_id for t in entry.top] == ids.tolist()
+        assert [t.logprob for t in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_score_every_prompt_token_after_the_first(make_engine, tiny_model, decode_alone):
+    engine = make_engine(max_batch_size=2)
+    [result] = engine.generate([GenerationRequest(prompt_ids=PROMPT,
+                                                  params=SamplingParams(max_tokens=6, prompt_logprobs=2))])
+    _check_prompt_scores(result.prompt_logprobs, tiny_model, PROMPT, 2)
+    assert result.token_ids == decode_alone(PROMPT, max_tokens=6).token_ids
+    assert result.logprobs is None and result.prefix_hit_tokens == 0
+
+
+def test_a_prompt_already_cached_is_computed_again_to_be_scored(make_engine, tiny_model):
+    engine = make_engine(max_batch_size=2)
+    shared = GenerationRequest(prompt_ids=PROMPT, shared_prefix_len=len(PROMPT) - 1, params=SamplingParams(max_tokens=3))
+    [first] = engine.generate([shared])
+    [scored] = engine.generate([shared.model_copy(update={"id": "again", "params": SamplingParams(
+        max_tokens=3, prompt_logprobs=0)})])
+    assert scored.prefix_hit_tokens == 0 and scored.token_ids == first.token_ids
+    _check_prompt_scores(scored.prompt_logprobs, tiny_model, PROMPT, 0)
+
+
+@pytest.mark.parametrize("mixed_batches", [True, False])
+def test_prompts_scored_beside_others_in_one_pass_keep_every_answer_and_score(make_engine, tiny_model, decode_alone,
+                                                                              mixed_batches):
+    # admitted together, and while another answer decodes: rows of several lengths in one pass
+    engine = make_engine(max_batch_size=4, mixed_batches=mixed_batches)
+    other = [1, 5, 50, 51, 2]
+    engine.add(GenerationRequest(id="running", prompt_ids=other, params=SamplingParams(max_tokens=12)))
+    engine.step()
+    requests = [GenerationRequest(id="a", prompt_ids=PROMPT, params=SamplingParams(max_tokens=5, prompt_logprobs=1)),
+                GenerationRequest(id="b", prompt_ids=other + [7, 8], params=SamplingParams(max_tokens=5)),
+                GenerationRequest(id="c", prompt_ids=[1, 9, 60, 61], resume_ids=[62, 63],
+                                  params=SamplingParams(max_tokens=6, prompt_logprobs=3))]
+    for request in requests:
+        engine.add(request)
+    while engine.has_work():
+        engine.step()
+    results = {rid: engine.pop_result(rid) for rid in ("running", "a", "b", "c")}
+    assert results["running"].token_ids == decode_alone(other, max_tokens=12).token_ids
+    for request in requests:
+        alone = decode_alone(request.prompt_ids + request.resume_ids, max_tokens=request.params.max_tokens
+                             - len(request.resume_ids)).token_ids
+        assert results[request.id].token_ids == request.resume_ids + alone
+    _check_prompt_scores(results["a"].prompt_logprobs, tiny_model, PROMPT, 1)
+    _check_prompt_scores(results["c"].prompt_logprobs, tiny_model, [1, 9, 60, 61], 3)  # the prompt, not the resumed part
+    assert results["b"].prompt_logprobs is None
+
+
+def test_a_one_token_prompt_has_no_scores(make_engine):
+    [result] = make_engine().generate([GenerationRequest(prompt_ids=[1], params=SamplingParams(max_tokens=2,
+                                                                                             prompt_logprobs=1))])
+    assert result.prompt_logprobs == []
+
+
+def test_the_prompts_scores_come_with_its_first_event_only(make_engine):
+    engine = make_engine()
+    request = GenerationRequest(prompt_ids=PROMPT, params=SamplingParams(max_tokens=5, prompt_logprobs=0))
+    engine.add(request)
+    events = []
+    while engine.has_work():
+        events += engine.step()
+    result = engine.pop_result(request.id)
+    assert events[0].prompt_logprobs == result.prompt_logprobs and len(result.prompt_logprobs) == len(PROMPT) - 1
+    assert all(e.prompt_logprobs is None for e in events[1:])

@@ -287,3 +287,29 @@ def test_a_call_that_fails_while_its_replica_lives_on_is_retried_there_and_answe
         decoder.engine.shutdown()
     assert len(calls) == 2 and 0 < len(calls[1]["requests"][0]["resume_ids"]) < 16
     assert result["token_ids"] == decode_alone(prompt, max_tokens=16).token_ids
+
+
+def test_an_echoed_prompt_cut_and_resumed_by_the_batcher_is_scored_and_echoed_once(path, decode_alone, tiny_tokenizer):
+    from deployments.openai_schema import CompletionRequest
+
+    service, batcher, _, _ = path
+    request = CompletionRequest(prompt="hello there", echo=True, logprobs=1, max_tokens=20)
+
+    async def main():
+        whole = await service.complete(request)
+        streamed = [chunk async for chunk in service.stream(request.model_copy(update={"stream": True}))]
+        return whole, streamed, await batcher.stats()
+
+    whole, streamed, stats = run(main())
+    prompt = tiny_tokenizer.encode("hello there", add_special_tokens=False)
+    direct = decode_alone(prompt, max_tokens=20, logprobs=1, prompt_logprobs=1)
+    assert stats["requeues"] >= 4  # predicted 7: each answer cut at 8 and at 16, resumed each time
+    [choice] = whole.choices
+    assert choice.text == "hello there" + direct.text
+    expected = [None] + [e.logprob for e in direct.prompt_logprobs] + [e.logprob for e in direct.logprobs]
+    assert choice.logprobs["token_logprobs"][1:] == pytest.approx(expected[1:], abs=1e-4)
+    assert choice.logprobs["token_logprobs"][0] is None and len(choice.logprobs["tokens"]) == len(prompt) + 20
+    pieces = [c["choices"][0] for c in streamed if c["choices"]]
+    assert "".join(p["text"] for p in pieces) == choice.text
+    parts = [p["logprobs"] for p in pieces if p["logprobs"]]
+    assert {k: [x for part in parts for x in part[k]] for k in choice.logprobs} == choice.logprobs
