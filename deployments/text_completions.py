@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 
 from deployments.openai_logprobs import completion_logprobs, joined, prompt_logprobs
 from deployments.openai_schema import TextChoice
-from engine.types import FinishReason, Result, TokenEvent
+from engine.types import FinishReason, Result, TokenEvent, TokenLogprob
 
 
 class Echo(BaseModel):
@@ -22,14 +22,20 @@ def scored_only(result: Result) -> Result:
     """A result of `max_tokens` 0 (run with one token, since the engine always samples one): its
     prompt's scores, and nothing generated."""
     return result.model_copy(update={"token_ids": [], "text": "", "finish_reason": FinishReason.LENGTH,
-                                     "logprobs": None if result.logprobs is None else []})
+                                     "logprobs": None if result.logprobs is None else [], "stop_logprob": None})
+
+
+def _scored(logprobs: list[TokenLogprob] | None, stop: TokenLogprob | None) -> list[TokenLogprob] | None:
+    """An answer's token scores as the legacy API lists them: with the end-of-sequence token that
+    ended it, as vLLM lists it (lm-evaluation-harness drops the last entry as the generated one)."""
+    return None if logprobs is None else logprobs + ([stop] if stop is not None else [])
 
 
 def text_choice(index: int, result: Result, echo: Echo | None, finish: str) -> TextChoice:
     """A whole answer as a text choice, its prompt in front when echoed."""
-    logprobs = None
-    if result.logprobs is not None:
-        logprobs = completion_logprobs(result.logprobs, len(echo.text) if echo else 0)[0]
+    logprobs, scored = None, _scored(result.logprobs, result.stop_logprob)
+    if scored is not None:
+        logprobs = completion_logprobs(scored, len(echo.text) if echo else 0)[0]
         if echo is not None:
             logprobs = joined(prompt_logprobs(echo.first_token, result.prompt_logprobs or [])[0], logprobs)
     return TextChoice(index=index, text=(echo.text if echo else "") + result.text, finish_reason=finish,
@@ -46,7 +52,8 @@ class StreamedText:
 
     def piece(self, event: TokenEvent) -> tuple[str, dict | None]:
         """The text and the logprobs (None unless asked) this event adds to the choice."""
-        text, logprobs = (event.text, event.logprobs) if self.generates else ("", [] if event.logprobs is not None else None)
+        logprobs = _scored(event.logprobs, event.stop_logprob)
+        text, logprobs = (event.text, logprobs) if self.generates else ("", [] if logprobs is not None else None)
         payload = None
         if self.echo is not None:  # an attempt resumed after a cut scores its prompt again: echoed once
             echo, self.echo = self.echo, None

@@ -43,6 +43,7 @@ class _Sequence:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # those of new_tokens
     prompt_logprobs: list[TokenLogprob] | None = None  # with params.prompt_logprobs, once the prompt is computed
     prompt_scores_sent: bool = False  # in an event already: only the first event carries them
+    stop_logprob: TokenLogprob | None = None  # with logprobs: the stop token's that ended the answer
 
     @property
     def tokens(self) -> list[int]:
@@ -398,6 +399,9 @@ class LLMEngine(Engine):
         `logprob`: the token's, for a sequence that keeps them (None for a token a constraint forced)."""
         if token in self.stop_token_ids and not sequence.request.params.ignore_eos:
             sequence.finish = FinishReason.STOP
+            if sequence.logprobs is not None:
+                sequence.stop_logprob = logprob or TokenLogprob(token_id=token, token=self._token_text(token),
+                                                                logprob=0.0)
             return
         sequence.generated.append(token)
         sequence.new_tokens.append(token)
@@ -443,6 +447,7 @@ class LLMEngine(Engine):
             finish_reason=sequence.finish,
             logprobs=sequence.new_logprobs if sequence.logprobs is not None else None,
             prompt_logprobs=None if sequence.prompt_scores_sent else sequence.prompt_logprobs,
+            stop_logprob=sequence.stop_logprob,
         )
         sequence.new_tokens, sequence.new_logprobs, sequence.sent_chars = [], [], max(end, sequence.sent_chars)
         sequence.prompt_scores_sent = sequence.prompt_logprobs is not None
@@ -488,6 +493,7 @@ class LLMEngine(Engine):
             kept_kv_tokens=sequence.kept_kv,
             logprobs=sequence.logprobs,
             prompt_logprobs=sequence.prompt_logprobs,
+            stop_logprob=sequence.stop_logprob,
         )
 
     # ---- prefixes and stats ---------------------------------------------------------------------

@@ -156,6 +156,7 @@ class TokenEvent(BaseModel):
     prompt_logprobs: list[TokenLogprob] | None = Field(
         None, description="With `params.prompt_logprobs`, on an attempt's first event only: the prompt's scores, as "
         "`Result.prompt_logprobs`.")
+    stop_logprob: TokenLogprob | None = Field(None, description="On the last event, as `Result.stop_logprob`.")
 
 
 class Result(BaseModel):
@@ -173,6 +174,9 @@ class Result(BaseModel):
     prompt_logprobs: list[TokenLogprob] | None = Field(
         None, description="With `params.prompt_logprobs`: one per prompt token after the first (the first has no "
         "context to score it by).")
+    stop_logprob: TokenLogprob | None = Field(
+        None, description="With `params.logprobs`, when a stop token (end of sequence) ended the answer: its log "
+        "probability. The token itself is not part of token_ids or logprobs.")
     kept_kv_tokens: int = Field(
         0, description="With `keep_kv`: how many leading tokens of prompt + answer were kept as a prefix (the "
         "last answer token has none when the answer ran to its length limit); 0 when nothing was kept.")

@@ -182,6 +182,39 @@ def test_echo_with_logprobs_streams_what_it_answers_whole(client):
         assert {k: [x for part in parts for x in part[k]] for k in choice["logprobs"]} == choice["logprobs"]
 
 
+def test_a_stop_token_sampled_after_an_echoed_prompt_is_listed_as_the_generated_entry(make_engine, decode_alone,
+                                                                                        tiny_tokenizer):
+    # lm-evaluation-harness reads token_logprobs[ctxlen:-1]: the last entry must be the generated token's,
+    # even when that token is the end of sequence (which the answer's text and token count leave out)
+    import asyncio
+
+    from deployments.completion_service import ApiLimits, CompletionService
+    from deployments.openai_schema import CompletionRequest
+    from engine.async_engine import AsyncEngine
+
+    ids = tiny_tokenizer.encode(WORDS, add_special_tokens=False)
+    engine = make_engine()
+    engine.stop_token_ids = {decode_alone(ids, max_tokens=1).token_ids[0]}
+    served = AsyncEngine(engine)
+    try:
+        service = CompletionService(served, ApiLimits())
+        request = CompletionRequest(prompt=[ids], echo=True, logprobs=1, max_tokens=1)
+        response = asyncio.run(service.complete(request))
+        chunks = asyncio.run(_collect(service.stream(request.model_copy(update={"stream": True}))))
+    finally:
+        served.shutdown()
+    [choice] = response.choices
+    assert choice.finish_reason == "stop" and choice.text == tiny_tokenizer.decode(ids)
+    assert len(choice.logprobs["tokens"]) == len(ids) + 1 and response.usage.completion_tokens == 0
+    assert choice.logprobs["tokens"][-1] == tiny_tokenizer.decode(list(engine.stop_token_ids))
+    parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert {k: [x for part in parts for x in part[k]] for k in choice.logprobs} == choice.logprobs
+
+
+async def _collect(chunks) -> list:
+    return [chunk async for chunk in chunks]
+
+
 def test_tokenizer_routes_answer_as_vllms_do(client, tiny_tokenizer):
     ids = tiny_tokenizer.encode(WORDS, add_special_tokens=False)
     tokenized = client.post("/tokenize", json={"prompt": WORDS, "model": SERVED}).json()

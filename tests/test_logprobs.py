@@ -174,3 +174,16 @@ def test_the_prompts_scores_come_with_its_first_event_only(make_engine):
     result = engine.pop_result(request.id)
     assert events[0].prompt_logprobs == result.prompt_logprobs and len(result.prompt_logprobs) == len(PROMPT) - 1
     assert all(e.prompt_logprobs is None for e in events[1:])
+
+
+def test_the_stop_token_that_ends_an_answer_keeps_its_logprob_apart(make_engine, tiny_model, decode_alone):
+    full = decode_alone(PROMPT, max_tokens=6).token_ids
+    engine = make_engine()
+    engine.stop_token_ids = {full[3]}  # pretend the 4th greedy token is end-of-sequence
+    [result] = engine.generate([GenerationRequest(prompt_ids=PROMPT, params=SamplingParams(max_tokens=6, logprobs=1))])
+    assert result.finish_reason == FinishReason.STOP and result.token_ids == full[:3] and len(result.logprobs) == 3
+    reference = _reference(tiny_model, PROMPT, full[:4])
+    assert result.stop_logprob.token_id == full[3]
+    assert result.stop_logprob.logprob == pytest.approx(reference[3, full[3]].item(), abs=1e-4)
+    [plain] = engine.generate([GenerationRequest(prompt_ids=PROMPT, params=SamplingParams(max_tokens=6))])
+    assert plain.stop_logprob is None
