@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from graph.orchestrator import Mode, RequestMode
 
 FinishReason = Literal["stop", "length"]
+MAX_STOPS = 16  # above OpenAI's 4: lm-evaluation-harness sends a task's stop sequences and the end of sequence
 
 
 class TextPart(BaseModel):
@@ -55,7 +56,8 @@ class _RequestFields(BaseModel):
     seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    stop: str | list[str] | None = Field(None, validate_default=True, description="Up to 4 strings that end the answer.")
+    stop: str | list[str] | None = Field(None, validate_default=True, description=f"Up to {MAX_STOPS} strings that "
+                                         "end the answer (OpenAI takes 4, vLLM any number).")
     n: int = Field(1, ge=1, le=128, description="How many answers (choices) to the one prompt; the server's "
                    "limits.max_choices caps it. Plain answers only.")
     stream: bool = Field(False, description="Answer as server-sent events, tokens as they are decoded.")
@@ -83,8 +85,8 @@ class _RequestFields(BaseModel):
     @classmethod
     def _stop_list(cls, value):
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes at most 4 non-empty strings")
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise ValueError(f"stop takes at most {MAX_STOPS} non-empty strings")
         return stops
 
     @property

@@ -111,7 +111,7 @@ def test_greedy_answer_is_deterministic_and_text_parts_are_accepted(client):
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": {"name": "f"}}, "function_call"),
-        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
         ({"mode": "fast"}, "mode"),
         ({"stream": True, "temperature": 9}, "temperature"),
         ({"stream": True, "max_tokens": 65}, "max_tokens"),

@@ -292,3 +292,11 @@ def test_openai_client_raises_its_own_errors(keyed, make_client):
         keyed.completions.create(model=SERVED, prompt=WORDS, suffix="!")
     with pytest.raises(openai.AuthenticationError):
         _openai(make_client(api_key="k3y"), api_key="wrong").completions.create(model=SERVED, prompt=WORDS)
+
+
+def test_more_stop_strings_than_openais_four_are_honoured(client):
+    answer = _complete(client, max_tokens=8).json()["choices"][0]["text"]
+    cut = answer[len(answer) // 2:][:3]
+    stops = [f"never{i}" for i in range(9)] + [cut]
+    body = _complete(client, max_tokens=8, stop=stops).json()
+    assert body["choices"][0]["text"] == answer[:answer.index(cut)] and body["choices"][0]["finish_reason"] == "stop"
