@@ -172,10 +172,19 @@ class CompletionService:
             )
         if asked == 0:
             asked = 1  # the engine samples at least one token; scored_only drops it
+        max_tokens = asked or min(self.limits.default_max_tokens, room)
+        if request.min_tokens > max_tokens:
+            raise RequestError("min_tokens", f"{request.min_tokens} is more than the {max_tokens} tokens the answer "
+                               "may have")
         params = SamplingParams(
-            max_tokens=asked or min(self.limits.default_max_tokens, room),
+            max_tokens=max_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
+            top_k=max(request.top_k or 0, 0),
+            min_p=request.min_p,
+            repetition_penalty=request.repetition_penalty,
+            min_tokens=request.min_tokens,
+            ignore_eos=request.ignore_eos,
             seed=request.seed,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,

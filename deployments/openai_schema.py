@@ -58,6 +58,17 @@ class _RequestFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stop: str | list[str] | None = Field(None, validate_default=True, description=f"Up to {MAX_STOPS} strings that "
                                          "end the answer (OpenAI takes 4, vLLM any number).")
+    # vLLM's sampling extras, which its users send through the openai client's extra_body
+    top_k: int | None = Field(None, ge=-1, description="vLLM's: sample among the k most likely tokens; -1, 0 or "
+                              "null: no limit.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM's: drop tokens less likely than min_p times the "
+                         "most likely one.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM's (and Hugging Face's): divide the "
+                                      "positive logits (multiply the negative) of tokens already in the prompt or "
+                                      "answer by this; 1: off.")
+    min_tokens: int = Field(0, ge=0, description="vLLM's: no end of sequence before this many tokens.")
+    ignore_eos: bool = Field(False, description="vLLM's: go on past the end of sequence, to max_tokens "
+                             "(benchmarks).")
     n: int = Field(1, ge=1, le=128, description="How many answers (choices) to the one prompt; the server's "
                    "limits.max_choices caps it. Plain answers only.")
     stream: bool = Field(False, description="Answer as server-sent events, tokens as they are decoded.")

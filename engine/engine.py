@@ -382,12 +382,14 @@ class LLMEngine(Engine):
             text = self._token_texts[token] = self.tokenizer.decode([token])
         return text
 
-    @staticmethod
-    def _allowed(sequence: _Sequence, width: int) -> torch.Tensor | None:
-        """The tokens the sequence may take next: its constraint's, less those its copy guard bans
-        (unless that would leave none, as when the grammar forces the banned token)."""
+    def _allowed(self, sequence: _Sequence, width: int) -> torch.Tensor | None:
+        """The tokens the sequence may take next: its constraint's, less those its copy guard bans and
+        the stop tokens while it is short of `min_tokens` (unless that would leave none, as when the
+        grammar forces the banned token)."""
         mask = sequence.constraint.allowed() if sequence.constraint is not None else None
-        banned = sequence.copies.banned(sequence.generated) if sequence.copies is not None else ()
+        banned = list(sequence.copies.banned(sequence.generated)) if sequence.copies is not None else []
+        if len(sequence.generated) < sequence.request.params.min_tokens:
+            banned += self.stop_token_ids
         if not banned:
             return mask
         guarded = torch.ones(width, dtype=torch.bool) if mask is None else mask.clone()

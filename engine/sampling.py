@@ -22,7 +22,12 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def _sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.numel():
+        logits = logits.masked_fill(logits < logits.topk(params.top_k).values[-1], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)  # the most likely always stays
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         # keep the smallest set whose mass reaches top_p (the first token always stays)
@@ -39,17 +44,19 @@ def sample(
     generators: list[torch.Generator | None],
     masks: list[torch.Tensor | None] | None = None,
     histories: list[list[int]] | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> list[int]:
     """logits: float32 [batch, vocab] on any device. Greedy rows take the argmax. `masks`, where
     given, holds per row None or a bool mask of the tokens a constraint allows (see
     `engine.constraints`); disallowed tokens get no probability, greedy or sampled. `histories`
-    holds each row's generated tokens, for presence and frequency penalties."""
-    plain = all(p.greedy and not (p.presence_penalty or p.frequency_penalty) for p in params)
+    holds each row's generated tokens, for presence and frequency penalties, and `prompts` each
+    row's prompt, which the repetition penalty counts too."""
+    plain = all(p.greedy and not _penalized(p) for p in params)
     if plain and (masks is None or all(m is None for m in masks)):
         return logits.argmax(dim=-1).tolist()  # where the logits are: a GPU sends back B ids, not B x vocab floats
     logits = logits.cpu()
-    if histories is not None and any(p.presence_penalty or p.frequency_penalty for p in params):
-        logits = _apply_penalties(logits, params, histories)
+    if histories is not None and any(_penalized(p) for p in params):
+        logits = _apply_penalties(logits, params, histories, prompts)
     if masks is not None and any(m is not None for m in masks):
         logits = _apply_masks(logits, masks)
     chosen = logits.argmax(dim=-1).tolist()
@@ -63,13 +70,23 @@ def sample(
     return chosen
 
 
-def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]]) -> torch.Tensor:
+def _penalized(params: SamplingParams) -> bool:
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
+
+
+def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+                     prompts: list[list[int]] | None) -> torch.Tensor:
     logits = logits.clone()
     width = logits.shape[-1]
     for row, (p, history) in enumerate(zip(params, histories)):
         if history and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(torch.tensor(history), minlength=width)[:width].to(logits.dtype)
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(history) | set(prompts[row] if prompts else ())), dtype=torch.long)
+            seen = seen[seen < width]
+            picked = logits[row, seen]
+            logits[row, seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
     return logits
 
 

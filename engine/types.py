@@ -20,6 +20,14 @@ class SamplingParams(BaseModel):
                                     "the answer already contains (OpenAI's semantics).")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once for "
                                      "each time the answer already contains it (OpenAI's semantics).")
+    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens only; 0: no limit.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p times the most "
+                         "likely one.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="Divide the positive logits (multiply the "
+                                      "negative) of every token in the prompt or the answer by this; 1: off. "
+                                      "The Hugging Face and vLLM semantics; greedy decoding too.")
+    min_tokens: int = Field(0, ge=0, description="No end of sequence before this many answer tokens (stop strings "
+                            "still end it).")
     stop: list[str] = Field(default_factory=list, description="Strings that end the answer (not included).")
     ignore_eos: bool = Field(False, description="Keep going past end-of-sequence (benchmarks).")
     length_cap: int | None = Field(

@@ -112,6 +112,10 @@ def test_greedy_answer_is_deterministic_and_text_parts_are_accepted(client):
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": {"name": "f"}}, "function_call"),
         ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
+        ({"min_tokens": 9}, "min_tokens"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"mode": "fast"}, "mode"),
         ({"stream": True, "temperature": 9}, "temperature"),
         ({"stream": True, "max_tokens": 65}, "max_tokens"),
@@ -330,3 +334,14 @@ def test_a_streamed_n_choice_request_that_the_client_drops_stops_every_choice(ma
         engine.shutdown()
     assert running == 3 and stopped
     assert seen[3]["choices"][0]["delta"].get("content") is not None
+
+
+def test_vllms_sampling_extras_reach_the_sampler(client):
+    def answer(**body):
+        return _chat(client, max_tokens=12, **body).json()["choices"][0]["message"]["content"]
+
+    greedy = answer()
+    assert answer(temperature=2.0, seed=1) != greedy  # hot sampling wanders off
+    assert answer(temperature=2.0, seed=1, top_k=1) == greedy  # one candidate: the greedy one
+    assert answer(top_k=-1) == answer(top_k=0) == greedy  # vLLM's ways of saying no limit
+    assert answer(repetition_penalty=3.0) != greedy

@@ -264,6 +264,20 @@ def test_eos_token_stops_and_is_not_returned(make_engine, decode_alone):
     assert result.token_ids == full[: full.index(full[4])]
 
 
+def test_min_tokens_holds_the_end_of_sequence_back_until_the_answer_is_that_long(make_engine, decode_alone):
+    prompt = ids(6, 81)
+    full = decode_alone(prompt, max_tokens=12).token_ids
+    engine = make_engine()
+    eos = full[4]
+    engine.stop_token_ids = {eos}
+    first_stop = full.index(eos)
+    [result] = engine.generate([req("m", prompt, max_tokens=12, min_tokens=first_stop + 3)])
+    assert eos not in result.token_ids[:first_stop + 3] and len(result.token_ids) >= first_stop + 3
+    assert result.token_ids[:first_stop] == full[:first_stop]  # the same answer up to where it would have ended
+    [ignoring] = engine.generate([req("i", prompt, max_tokens=12, ignore_eos=True)])
+    assert ignoring.finish_reason == FinishReason.LENGTH and ignoring.token_ids == full
+
+
 def test_length_cut_and_resume_equal_the_uninterrupted_run(make_engine, decode_alone):
     prompt = ids(9, 90)
     full = decode_alone(prompt, max_tokens=20)
