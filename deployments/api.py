@@ -85,12 +85,22 @@ def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight
     async def completions(body: CompletionRequest, request: Request):
         return await _answer(request.app.state.backend, body)
 
+    async def model_card(request: Request) -> dict:
+        info = await request.app.state.backend.info()
+        return {"id": info["id"], "object": "model", "created": int(time.time()), "owned_by": "plato-serve",
+                "max_model_len": info["max_model_len"]}
+
     @app.get("/v1/models")
     async def models(request: Request):
-        info = await request.app.state.backend.info()
-        card = {"id": info["id"], "object": "model", "created": int(time.time()), "owned_by": "plato-serve",
-                "max_model_len": info["max_model_len"]}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [await model_card(request)]}
+
+    @app.get("/v1/models/{model:path}")  # the openai client's models.retrieve; ids may hold a slash
+    async def model(model: str, request: Request):
+        card = await model_card(request)
+        if model != card["id"]:
+            raise RequestError("model", f"the model `{model}` does not exist; this server serves `{card['id']}`",
+                               status=404, code="model_not_found")
+        return card
 
     # vLLM's tokenizer routes, outside /v1 as vLLM has them: lm-evaluation-harness's API models look for
     # them and then tokenize through the server, so no client needs the model's files
@@ -107,6 +117,7 @@ def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight
         return await request.app.state.backend.tokenizer_info()
 
     @app.get("/healthz")
+    @app.get("/health")  # vLLM's name for it, which probes written for vLLM ask
     async def healthz(request: Request):
         health = await request.app.state.backend.health()
         return JSONResponse(status_code=200 if health["healthy"] else 503, content=health)

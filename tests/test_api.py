@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from unittest.mock import ANY
 
 import httpx
 import pytest
@@ -219,7 +220,10 @@ def test_malformed_json_is_400_and_service_keeps_working(client):
 def test_models_and_health(client):
     models = client.get("/v1/models").json()
     assert models["data"][0]["id"] == SERVED and models["data"][0]["max_model_len"] == 128
+    assert client.get(f"/v1/models/{SERVED}").json() == {**models["data"][0], "created": ANY}
+    assert_refused(client.get("/v1/models/gpt-4"), 404, "model", "model_not_found")
     assert client.get("/healthz").json()["healthy"] is True
+    assert client.get("/health").json() == client.get("/healthz").json()
 
 
 def test_health_is_503_when_engine_loop_is_dead(client):
@@ -227,6 +231,7 @@ def test_health_is_503_when_engine_loop_is_dead(client):
     service.engine.shutdown()
     service.engine.error = RuntimeError("boom")
     assert client.get("/healthz").status_code == 503
+    assert client.get("/health").status_code == 503
 
 
 def test_with_an_api_key_every_v1_route_wants_it_and_health_stays_open(make_client):

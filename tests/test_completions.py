@@ -284,6 +284,13 @@ def test_openai_client_chats_with_a_mode_and_sees_which_mode_answered(keyed):
     assert reply.choices[0].message.content and reply.model_extra["mode"] == "ar"
 
 
+def test_openai_client_lists_and_retrieves_the_served_model(keyed):
+    assert [m.id for m in keyed.models.list()] == [SERVED]
+    assert keyed.models.retrieve(SERVED).id == SERVED
+    with pytest.raises(openai.NotFoundError):
+        keyed.models.retrieve("gpt-4")
+
+
 def test_openai_client_raises_its_own_errors(keyed, make_client):
     with pytest.raises(openai.NotFoundError) as missing:
         keyed.completions.create(model="other", prompt=WORDS)
