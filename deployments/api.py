@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deployments.admission import Admission
+from deployments.admission import RETRY_AFTER_S, Admission
 from deployments.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -75,7 +75,8 @@ def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight
 
     @app.exception_handler(RequestError)
     async def _refused(_: Request, exc: RequestError):
-        return JSONResponse(status_code=exc.status, content=exc.to_body())
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        return JSONResponse(status_code=exc.status, content=exc.to_body(), headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -5,12 +5,14 @@ Ray-free: the Serve decoder deployment holds one of these; tests use it directly
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.admission import RETRY_AFTER_S
 from deployments.openai_schema import (
     AssistantMessage,
     ChatCompletionChunk,
@@ -96,8 +98,9 @@ class ApiLimits(BaseModel):
     max_queued_requests: int = Field(
         256,
         ge=1,
-        description="Most requests one ingress replica holds at once, decoding or waiting for a decoder; "
-        "past it a request is refused at once with HTTP 503 and Retry-After. Counted per ingress replica.",
+        description="Most requests one ingress replica holds at once, decoding or waiting for a decoder, each "
+        "choice of each prompt counted (n, several prompts); past it a request is refused at once with HTTP 503 "
+        "and Retry-After. Counted per ingress replica.",
     )
     stop_on_loop: bool = Field(
         True,
@@ -119,6 +122,7 @@ class CompletionService:
         self.orchestrator = orchestrator  # answers sot / plato / auto; without it every mode is `ar`
         self.model_name = engine.engine.model_name
         self.max_model_len = engine.engine.max_model_len
+        self.choices_in_flight = 0  # answers this service is waiting for: the load limits.max_queued_requests bounds
 
     async def _encode(self, request: OpenAIRequest) -> tuple[list[list[int]], str]:
         """Each prompt's token ids, and the field that holds the prompts. Tokenized on the engine
@@ -232,6 +236,22 @@ class CompletionService:
             raise RequestError("logprobs", f"a planned answer (mode '{request.mode}') has no token log probabilities; "
                                "ask for them with mode 'ar'")
 
+    @contextlib.contextmanager
+    def _holding(self, choices: int):
+        """Count a request's answers while they decode, or refuse it (503) when they would take this
+        replica past `max_queued_requests`: the HTTP admission counts requests, this their answers, so
+        a request of n choices or several prompts weighs what it costs. One is always let in when none
+        is held, however many answers it asks for."""
+        if self.choices_in_flight and self.choices_in_flight + choices > self.limits.max_queued_requests:
+            raise RequestError(None, f"this replica holds {self.choices_in_flight} answers; {choices} more would pass "
+                               f"its limit of {self.limits.max_queued_requests}; retry in {RETRY_AFTER_S} s",
+                               status=503, code="server_overloaded")
+        self.choices_in_flight += choices
+        try:
+            yield
+        finally:
+            self.choices_in_flight -= choices
+
     async def complete(self, request: OpenAIRequest) -> ChatCompletionResponse | TextCompletion:
         started = time.perf_counter()
         self._check_choices(request)
@@ -241,7 +261,8 @@ class CompletionService:
             self._observe(answer.mode, True, answer.fallback is not None, started)
             return self._planned_response(request, engine_requests[0], answer)
         choices = [c for r in engine_requests for c in choice_requests(r, request.n)]
-        results = await _all(self.engine.generate(c) for c in choices)
+        with self._holding(len(choices)):
+            results = await _all(self.engine.generate(c) for c in choices)
         self._observe(PLAIN_MODE, False, False, started)
         if isinstance(request, CompletionRequest):
             if request.max_tokens == 0:
@@ -290,6 +311,12 @@ class CompletionService:
                 yield chunk.model_copy(update={"choices": [], "usage": response.usage}).model_dump()
             return
         choices = [c for r in engine_requests for c in choice_requests(r, request.n)]
+        with self._holding(len(choices)):  # a refusal comes before the first chunk too
+            async for chunk in self._stream_choices(request, engine_requests, choices, started):
+                yield chunk
+
+    async def _stream_choices(self, request: OpenAIRequest, engine_requests: list[GenerationRequest],
+                              choices: list[GenerationRequest], started: float) -> AsyncIterator[dict]:
         texts = None
         if isinstance(request, CompletionRequest):
             chunk = TextCompletion(model=self.model_name, choices=[])

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from deployments.api import create_app
 from deployments.completion_service import ApiLimits, CompletionService
+from deployments.openai_schema import ChatCompletionRequest, RequestError
 from engine.async_engine import AsyncEngine
 
 WORDS = "baba babe babi"
@@ -350,3 +351,36 @@ def test_vllms_sampling_extras_reach_the_sampler(client):
     assert answer(temperature=2.0, seed=1, top_k=1) == greedy  # one candidate: the greedy one
     assert answer(top_k=-1) == answer(top_k=0) == greedy  # vLLM's ways of saying no limit
     assert answer(repetition_penalty=3.0) != greedy
+
+
+def test_answers_in_flight_are_counted_per_choice_and_past_the_limit_a_request_is_503(make_client):
+    client = make_client(max_queued_requests=3)
+    service = client.app.state.backend
+
+    async def main():
+        held = service.stream(_chat_request(n=2, max_tokens=30))
+        await anext(held)  # its two answers are decoding
+        refused = None
+        try:
+            await service.complete(_chat_request(n=2, max_tokens=2))
+        except RequestError as exc:
+            refused = exc
+        fits = await service.complete(_chat_request(max_tokens=2))  # 2 + 1 answers: within 3
+        during = service.choices_in_flight
+        await held.aclose()
+        return refused, fits, during, service.choices_in_flight
+
+    refused, fits, during, after = asyncio.run(main())
+    assert refused.status == 503 and refused.code == "server_overloaded" and fits.choices
+    assert (during, after) == (2, 0)
+    alone = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": WORDS}], "n": 5,
+                                                      "max_tokens": 2})
+    assert alone.status_code == 200 and len(alone.json()["choices"]) == 5  # above the limit, but nothing else held
+    service.choices_in_flight = 3
+    busy = _chat(client, max_tokens=2)
+    assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
+    service.choices_in_flight = 0
+
+
+def _chat_request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": WORDS}], **fields)
