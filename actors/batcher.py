@@ -111,7 +111,7 @@ class BatcherActor:
         self._loop_task: asyncio.Task | None = None
         self._room = asyncio.Event()  # set whenever a dispatched request or micro-batch finishes
         self._out_batches = self._out_requests = 0  # pushed to decoders, not yet finished
-        self.counts = {"predictions": 0, "prediction_failures": 0, "refused": 0}
+        self.counts = {"predictions": 0, "predictions_skipped": 0, "prediction_failures": 0, "refused": 0}
 
     # ---- requests in ----------------------------------------------------------------------------
     async def submit(self, request: dict) -> dict:
@@ -179,7 +179,13 @@ class BatcherActor:
         its shared prefix, which the decoder replica fetches instead of prefilling the prompt."""
         if request.predicted_len is not None or self._predict is None:
             return request
-        share = not request.shared_prefix_len
+        bins = self.core.bins
+        if bins.bin_of(request.params.max_tokens) == bins.bin_of(0):
+            # its answer fits the lowest bin whatever its length (a scoring request's one token, say): no
+            # prediction could place it elsewhere, and the decoder prefills what the predictor would have
+            self.counts["predictions_skipped"] += 1
+            return request.model_copy(update={"predicted_len": request.params.max_tokens})
+        share = not request.shared_prefix_len and request.params.prompt_logprobs is None  # scored: computed whole
         try:
             got = await asyncio.wait_for(self._predict(request.prompt_ids, share), self.dispatch.predict_timeout_s)
             length, kv_len = (got["length"], got.get("kv_len", 0)) if isinstance(got, dict) else (got, 0)

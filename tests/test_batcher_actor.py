@@ -163,7 +163,8 @@ def test_the_predictors_prompt_kv_reaches_the_decoder_so_the_prompt_is_not_prefi
     async def main():
         # a generous prediction timeout: on a loaded machine the first prediction (and its ray.put) can
         # take longer than the 5 s default, and a skipped prediction shares nothing, which is not under test here
-        batcher = BatcherActor({"bins": {"edges": [8, 64]}}, send_batch=decoder.run_batch, predict=predict,
+        # the lowest bin ends below max_tokens: an answer that fits it whatever its length is not predicted
+        batcher = BatcherActor({"bins": {"edges": [4, 64]}}, send_batch=decoder.run_batch, predict=predict,
                                dispatch={"predict_timeout_s": 120})
         return [await batcher.submit(r.model_dump(mode="json")) for r in (plain, node)]
 

@@ -115,6 +115,29 @@ def test_predictions_are_asked_for_and_a_failing_predictor_means_the_default_bin
     assert stats["default_bin_uses"] == 1
 
 
+def test_a_request_whose_answer_fits_the_lowest_bin_is_not_predicted_and_a_scored_prompt_shares_no_kv():
+    asked = []
+
+    async def predict(prompt_ids, share):
+        asked.append(share)
+        return 5
+
+    def ask(rid: str, max_tokens: int, **params) -> dict:
+        return GenerationRequest(id=rid, prompt_ids=[5, 6], params=SamplingParams(max_tokens=max_tokens, **params)
+                                 ).model_dump()
+
+    async def main():
+        actor = BatcherActor({"bins": {"edges": [8, 64]}}, send_batch=FakeDecoder(), predict=predict)
+        await actor.submit(ask("r0", 8))  # at most 8 tokens: the lowest bin whatever the prediction
+        await actor.submit(ask("r1", 16))
+        await actor.submit(ask("r2", 16, prompt_logprobs=1))  # its prompt is computed whole: no KV to share
+        return await actor.stats()
+
+    stats = run(main())
+    assert asked == [True, False]
+    assert stats["predictions_skipped"] == 1 and stats["predictions"] == 2 and stats["default_bin_uses"] == 0
+
+
 def test_the_observer_hears_of_batches_queues_lengths_and_requeues():
     class Recorder:
         def __init__(self):
