@@ -54,3 +54,20 @@ def word_tokenizer(vocab_size: int, leading: tuple[str, ...] = ("<unk>", "<s>", 
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token=bos, eos_token=eos,
                                    clean_up_tokenization_spaces=False)
+
+
+def piece_tokenizer(pieces: list[str]):
+    """A fast tokenizer whose ids decode to exactly their pieces, concatenated: "<unk>", "<|im_start|>"
+    (bos) and "<|im_end|>" (eos, id 2), then `pieces` in order (each once). For grammar tests, whose
+    pieces must span a grammar's boundaries as a real vocabulary's do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = ["<unk>", "<|im_start|>", "<|im_end|>"] + list(pieces)
+    if len(set(tokens)) != len(tokens):
+        raise ValueError("pieces: each piece once (a repeated one would leave an id that decodes to nothing)")
+    backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", clean_up_tokenization_spaces=False)

@@ -30,6 +30,7 @@ from deployments.openai_schema import (
 from deployments.openai_logprobs import chat_logprobs
 from deployments.text_completions import Echo, StreamedText, scored_only, text_choice
 from engine.async_engine import AsyncEngine
+from engine.constraints import make_constraint
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
 from graph.orchestrator import Answer, Orchestrator
 
@@ -145,8 +146,18 @@ class CompletionService:
         """One engine request per prompt (a chat request has one), checked against the served model
         and the limits."""
         self._check_model(request.model)
+        if request.json_mode:
+            await self._check_json_mode()
         prompts, param = await self._encode(request)
         return [self._engine_request(request, prompt_ids, param) for prompt_ids in prompts]
+
+    async def _check_json_mode(self) -> None:
+        """JSON mode needs a tokenizer that can write JSON's every character alone; refused up front
+        otherwise, rather than by the engine once the request has gone through the batcher."""
+        try:
+            await self.engine.call(lambda engine: make_constraint("json_object", engine.tokenizer))
+        except ValueError as error:
+            raise RequestError("response_format", f"JSON mode is not available with this model: {error}") from None
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -193,9 +204,11 @@ class CompletionService:
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             stop=request.stop,
-            stop_on_loop=self.limits.stop_on_loop,
+            # a loop cut short would end a JSON answer as "stop" with its object unclosed: it runs to "length"
+            stop_on_loop=self.limits.stop_on_loop and not request.json_mode,
             logprobs=request.logprobs_asked,
             prompt_logprobs=request.prompt_logprobs_asked,
+            constraint="json_object" if request.json_mode else None,
         )
         return GenerationRequest(prompt_ids=prompt_ids, params=params)
 
@@ -232,6 +245,9 @@ class CompletionService:
                                "to a request")
         if request.n > 1 and self._planned(request):
             raise RequestError("n", f"a planned answer (mode '{request.mode}') has one choice; ask n > 1 with mode 'ar'")
+        if request.json_mode and self._planned(request):
+            raise RequestError("response_format", f"a planned answer (mode '{request.mode}') is assembled from its "
+                               "parts as text; ask for JSON with mode 'ar'")
         if request.logprobs_asked is not None and self._planned(request):
             raise RequestError("logprobs", f"a planned answer (mode '{request.mode}') has no token log probabilities; "
                                "ask for them with mode 'ar'")

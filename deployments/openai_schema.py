@@ -76,7 +76,8 @@ class _RequestFields(BaseModel):
     # OpenAI fields that would change the answer and that this server does not implement: refused when
     # set to anything but their neutral value, never silently ignored
     logit_bias: dict | None = Field(None, description="Not supported; must be absent, null or {}.")
-    response_format: dict | None = Field(None, description="Only {'type': 'text'} (the default).")
+    response_format: dict | None = Field(None, description="{'type': 'text'} (the default) or {'type': "
+                                         "'json_object'}: the answer is then one JSON object, by constrained decoding.")
 
     @field_validator("logit_bias")
     @classmethod
@@ -87,10 +88,16 @@ class _RequestFields(BaseModel):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, value):
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"only the 'text' format is served, not {value.get('type')!r}")
+    def _served_formats(cls, value):
+        kind = (value or {}).get("type", "text")
+        if kind not in ("text", "json_object"):
+            raise ValueError(f"the 'text' and 'json_object' formats are served, not {kind!r}")
         return value
+
+    @property
+    def json_mode(self) -> bool:
+        """OpenAI's JSON mode: the answer is one JSON object (engine.json_constraint)."""
+        return (self.response_format or {}).get("type") == "json_object"
 
     @field_validator("stop")
     @classmethod

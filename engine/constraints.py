@@ -16,6 +16,7 @@ import torch
 # name -> "module:Class"; the class is called with the engine's tokenizer.
 CONSTRAINTS: dict[str, str] = {
     "plan_lines": "graph.plan_constraint:PlanLineConstraint",
+    "json_object": "engine.json_constraint:JsonObjectConstraint",
 }
 
 
@@ -50,6 +51,76 @@ class TokenConstraint(ABC):
         return int(ids[0, 0]) if len(ids) == 1 else None
 
 
+DONE = ("done",)  # a grammar's accepting end: nothing may follow
+
+
+class CharGrammar:
+    """A character-level machine for a constraint to lift to tokens: a subclass gives `start` and
+    `step(state, ch)`, the next state or None where `ch` cannot come next (DONE accepts nothing)."""
+
+    start: tuple
+
+    def step(self, state: tuple, ch: str) -> tuple | None:
+        raise NotImplementedError
+
+    def run(self, state: tuple | None, text: str) -> tuple | None:
+        """The state after `text`, or None where the text leaves the grammar."""
+        for ch in text:
+            if state is None:
+                return None
+            state = self.step(state, ch)
+        return state
+
+    def accepts(self, text: str) -> bool:
+        """True when `text` is a whole sentence of the grammar: it ends exactly at DONE."""
+        return self.run(self.start, text) == DONE
+
+
+def token_strings(tokenizer) -> list[str]:
+    """Each token's text decoded alone, as a grammar reads it: "" for special tokens and for tokens
+    holding part of a UTF-8 character (U+FFFD alone), which a grammar then never allows."""
+    ids = list(range(len(tokenizer)))
+    strings = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    special = set(tokenizer.all_special_ids)
+    out = []
+    for i, (s, piece) in enumerate(zip(strings, pieces)):
+        if piece and piece.startswith("\u2581") and not s.startswith(" "):
+            s = " " + s  # SentencePiece drops a word's leading space when it is decoded alone
+        out.append("" if i in special or "\ufffd" in s else s)
+    return out
+
+
+def first_two_index(strings: list[str]) -> dict[str, dict[str, list[tuple[int, str]]]]:
+    """The tokens (id, string) by their first character, then their second ("" for one-character tokens)."""
+    index: dict[str, dict[str, list[tuple[int, str]]]] = {}
+    for i, s in enumerate(strings):
+        if s:
+            index.setdefault(s[0], {}).setdefault(s[1:2], []).append((i, s))
+    return index
+
+
+def narrow_mask(grammar, state, index: dict[str, dict[str, list[tuple[int, str]]]], size: int) -> torch.Tensor:
+    """The tokens whose whole string `grammar` (with `step(state, ch)` and `run(state, text)`, None
+    where the text leaves it) accepts from `state`, found through `first_two_index`: where few
+    tokens fit, most are ruled out by their first two characters, so few are run whole."""
+    allowed = []
+    for first, by_second in index.items():
+        after_first = grammar.step(state, first)
+        if after_first is None:
+            continue
+        for second, tokens in by_second.items():
+            if not second:
+                allowed.extend(i for i, _ in tokens)
+                continue
+            after_second = grammar.step(after_first, second)
+            if after_second is not None:
+                allowed.extend(i for i, s in tokens if grammar.run(after_second, s[2:]) is not None)
+    mask = torch.zeros(size, dtype=torch.bool)
+    mask[allowed] = True
+    return mask
+
+
 def resolve_constraint(name: str) -> type:
     """The constraint class registered under `name`; ValueError naming `constraint` if unknown."""
     path = CONSTRAINTS.get(name)
@@ -77,4 +148,6 @@ def make_constraint(name: str, tokenizer, resume_ids: Iterable[int] = ()) -> Tok
             constraint.advance(token)
     except ValueError as error:
         raise ValueError(f"resume_ids: not admitted by constraint {name!r}: {error}") from None
+    if constraint.is_complete:  # nothing may follow: a finished answer is not resumed
+        raise ValueError(f"resume_ids: already a whole answer under constraint {name!r}; nothing can follow")
     return constraint

@@ -38,12 +38,11 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from engine.constraints import TokenConstraint
+from engine.constraints import DONE, CharGrammar, TokenConstraint, first_two_index, narrow_mask, token_strings
 from graph.plan import MIN_NODES
 
 MIN_WORDS = 2
 NEEDS = "needs: "
-DONE = ("done",)
 _DOT, _SPACE, _WORD = 0, 1, 2  # inside the text: after "k.", after a space, inside a word
 
 
@@ -52,7 +51,7 @@ def _is_text_char(ch: str) -> bool:
 
 
 @dataclass(frozen=True)
-class PlanGrammar:
+class PlanGrammar(CharGrammar):
     """The plan line grammar as a character-level state machine; states are small tuples.
 
     `step(state, ch)` is the next state or None when `ch` cannot come next; DONE accepts nothing."""
@@ -129,18 +128,6 @@ class PlanGrammar:
             return ("id", k, last, value)
         return None
 
-    def run(self, state: tuple | None, text: str) -> tuple | None:
-        """The state after `text`, or None where the text leaves the grammar."""
-        for ch in text:
-            if state is None:
-                return None
-            state = self.step(state, ch)
-        return state
-
-    def accepts(self, text: str) -> bool:
-        """True when `text` is a whole plan: it ends exactly at the closing blank line."""
-        return self.run(self.start, text) == DONE
-
     @staticmethod
     def can_end(state: tuple | None) -> bool:
         """True where the plan may end (by EOS, or by a blank line once at a line start): after
@@ -156,17 +143,7 @@ class _Vocab:
 
     def __init__(self, tokenizer):
         self.size = len(tokenizer)
-        ids = list(range(self.size))
-        strings = tokenizer.batch_decode(
-            [[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
-        pieces = tokenizer.convert_ids_to_tokens(ids)
-        special = set(tokenizer.all_special_ids)
-        self.strings = []
-        for i, (s, piece) in enumerate(zip(strings, pieces)):
-            if piece and piece.startswith("\u2581") and not s.startswith(" "):
-                s = " " + s  # SentencePiece drops a word's leading space when it is decoded alone
-            self.strings.append("" if i in special or "\ufffd" in s else s)
+        self.strings = token_strings(tokenizer)
         self.single_chars = {s for s in self.strings if len(s) == 1}
         self.eos = torch.zeros(self.size, dtype=torch.bool)
         eos = tokenizer.eos_token_id
@@ -174,10 +151,7 @@ class _Vocab:
             self.eos[i] = True
         self._text_counts()
         self.exits = [(i, s) for i, s in enumerate(self.strings) if "[" in s and self._texty(s[: s.index("[")])]
-        self.index: dict[str, dict[str, list[tuple[int, str]]]] = {}
-        for i, s in enumerate(self.strings):
-            if s:
-                self.index.setdefault(s[0], {}).setdefault(s[1:2], []).append((i, s))
+        self.index = first_two_index(self.strings)
         self.masks: dict[tuple, torch.Tensor] = {}  # (grammar, state) -> mask, outside the text
 
     @staticmethod
@@ -210,7 +184,7 @@ class _Vocab:
             return self._text_mask(grammar, state)
         key = (grammar, state)
         if key not in self.masks:
-            mask = self.eos.clone() if state == DONE else self._narrow_mask(grammar, state)
+            mask = self.eos.clone() if state == DONE else narrow_mask(grammar, state, self.index, self.size)
             self.masks[key] = mask | self.eos if grammar.can_end(state) else mask
         return self.masks[key]
 
@@ -229,23 +203,6 @@ class _Vocab:
         ok &= new_words <= grammar.max_words
         ok[[i for i, s in self.exits if grammar.run(state, s) is not None]] = True
         return torch.from_numpy(ok)
-
-    def _narrow_mask(self, grammar: PlanGrammar, state: tuple) -> torch.Tensor:
-        allowed = []
-        for first, by_second in self.index.items():
-            after_first = grammar.step(state, first)
-            if after_first is None:
-                continue
-            for second, tokens in by_second.items():
-                if not second:
-                    allowed.extend(i for i, _ in tokens)
-                    continue
-                after_second = grammar.step(after_first, second)
-                if after_second is not None:
-                    allowed.extend(i for i, s in tokens if grammar.run(after_second, s[2:]) is not None)
-        mask = torch.zeros(self.size, dtype=torch.bool)
-        mask[allowed] = True
-        return mask
 
 
 _VOCABS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -108,7 +108,9 @@ def test_greedy_answer_is_deterministic_and_text_parts_are_accepted(client):
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"50": 5}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "mode": "plato"}, "response_format"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),  # the tiny tokenizer cannot write JSON
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),

@@ -96,12 +96,8 @@ def test_replica_survives_bad_input(server):
 def _ask_openai(server, **extra):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
-    return client.chat.completions.create(
-        model="embedded:smollm2-135m",
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=16,
-        **extra,
-    )
+    asked = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16, **extra}
+    return client.chat.completions.create(model="embedded:smollm2-135m", **asked)
 
 
 def test_openai_client_works(server):
@@ -127,6 +123,16 @@ def test_openai_client_gets_n_choices_with_logprobs_streamed_or_not(server):
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
     assert texts == {c.index: c.message.content for c in reply.choices}
+
+
+def test_openai_client_json_mode_answers_with_a_json_object(server):
+    import json
+
+    reply = _ask_openai(server, response_format={"type": "json_object"}, max_tokens=48,
+                        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON "
+                                   "with keys country and capital."}])
+    answer = json.loads(reply.choices[0].message.content)
+    assert reply.choices[0].finish_reason == "stop" and answer["capital"] == "Paris"
 
 
 def test_scores_continuations_as_lm_evaluation_harness_asks(server):

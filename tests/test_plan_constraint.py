@@ -35,18 +35,10 @@ PIECES = (
 @pytest.fixture(scope="module")
 def plan_tokenizer():
     """A `PreTrainedTokenizerFast` whose ids decode to exactly their pieces, concatenated."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from bench.random_model import piece_tokenizer
 
-    tokens = ["<unk>", "<|im_start|>", "<|im_end|>"] + PIECES
-    backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<|im_start|>", eos_token="<|im_end|>",
-        clean_up_tokenization_spaces=False,
-    )
-    assert len(tokenizer) == len(tokens) and tokenizer.eos_token_id == EOS
+    tokenizer = piece_tokenizer(PIECES)
+    assert tokenizer.eos_token_id == EOS
     return tokenizer
 
 

@@ -1,0 +1,210 @@
+"""JSON mode (OpenAI's `response_format: {"type": "json_object"}`): a decoding constraint under
+which the answer is one JSON object (RFC 8259), and the answer ends where the object closes.
+
+`JsonGrammar` is the character-level pushdown machine; a state is a small tuple holding the open
+brackets as a string, so states hash and masks can be cached per state. Whitespace between tokens
+is allowed in runs of at most `max_whitespace` characters (a small model otherwise pads forever),
+and nesting is limited to `max_depth`.
+
+`JsonObjectConstraint` lifts it to tokens exactly, as graph.plan_constraint does for plan lines:
+a token is allowed when the machine accepts its whole decoded string from the current state.
+Inside a string, where most of the vocabulary fits, the tokens free of quotes, backslashes and
+control characters are allowed as one precomputed set, and only the others are run through the
+machine; elsewhere few tokens fit, and they are found through an index on their first two
+characters. Masks are cached per state (per tokenizer, shared by every sequence), so a state's
+mask is computed once. Tokens holding half a UTF-8 character are never allowed (see
+`engine.constraints.token_strings`), so text inside strings is written from whole characters.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from engine.constraints import DONE, CharGrammar, TokenConstraint, first_two_index, narrow_mask, token_strings
+
+WHITESPACE = " \t\n\r"
+ESCAPES = '"\\/bfnrt'
+HEX = "0123456789abcdefABCDEF"
+DIGITS = "0123456789"
+LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
+_CLOSER = {"{": "}", "[": "]"}
+_NUMBER_ENDS = ("zero", "int", "frac", "expdigit")  # phases where a number may end
+
+
+@dataclass(frozen=True)
+class JsonGrammar(CharGrammar):
+    """One JSON object as a character-level machine. `step(state, ch)` is the next state or None;
+    states are tuples whose second item is the stack of open brackets ("{" or "[")."""
+
+    max_depth: int = 32
+    max_whitespace: int = 24
+    start: ClassVar[tuple] = ("top", "", 0)
+
+    def step(self, state: tuple, ch: str) -> tuple | None:
+        mode, stack = state[0], state[1] if len(state) > 1 else ""
+        if mode == "str":
+            return self._string(state, ch)
+        if mode in ("esc", "hex"):
+            return self._escape(state, ch)
+        if mode == "num":
+            return self._number(state, ch)
+        if mode == "lit":
+            rest = state[2]
+            if ch != rest[0]:
+                return None
+            return ("lit", stack, rest[1:]) if len(rest) > 1 else ("after", stack, 0)
+        if mode == "done":
+            return None
+        if ch in WHITESPACE:  # between tokens: every other mode keeps a run count in state[2]
+            return (mode, stack, state[2] + 1) if state[2] < self.max_whitespace else None
+        return self._structural(mode, stack, ch)
+
+    def _structural(self, mode: str, stack: str, ch: str) -> tuple | None:
+        if mode == "top":
+            return ("key_or_end", "{", 0) if ch == "{" else None
+        if mode == "colon":
+            return ("value", stack, 0) if ch == ":" else None
+        if mode in ("key", "key_or_end") and ch == '"':
+            return ("str", stack, True)
+        if mode in ("key_or_end", "value_or_end", "after") and ch in "}]":  # no trailing commas: not after ","
+            if ch != _CLOSER[stack[-1]]:
+                return None
+            rest = stack[:-1]
+            return ("after", rest, 0) if rest else DONE
+        if mode == "after":
+            if ch != ",":
+                return None
+            return ("key", stack, 0) if stack[-1] == "{" else ("value", stack, 0)
+        if mode in ("value", "value_or_end"):
+            return self._value_start(stack, ch)
+        return None
+
+    def _value_start(self, stack: str, ch: str) -> tuple | None:
+        if ch in "{[":
+            if len(stack) >= self.max_depth:
+                return None
+            return ("key_or_end", stack + ch, 0) if ch == "{" else ("value_or_end", stack + ch, 0)
+        if ch == '"':
+            return ("str", stack, False)
+        if ch == "-":
+            return ("num", stack, "minus")
+        if ch in DIGITS:
+            return ("num", stack, "zero" if ch == "0" else "int")
+        if ch in LITERALS:
+            return ("lit", stack, LITERALS[ch])
+        return None
+
+    @staticmethod
+    def _string(state: tuple, ch: str) -> tuple | None:
+        _, stack, is_key = state
+        if ch == '"':
+            return ("colon", stack, 0) if is_key else ("after", stack, 0)
+        if ch == "\\":
+            return ("esc", stack, is_key)
+        return None if ord(ch) < 0x20 else state
+
+    @staticmethod
+    def _escape(state: tuple, ch: str) -> tuple | None:
+        if state[0] == "esc":
+            if ch == "u":
+                return ("hex", state[1], state[2], 4)
+            return ("str", state[1], state[2]) if ch in ESCAPES else None
+        _, stack, is_key, left = state
+        if ch not in HEX:
+            return None
+        return ("hex", stack, is_key, left - 1) if left > 1 else ("str", stack, is_key)
+
+    def _number(self, state: tuple, ch: str) -> tuple | None:
+        _, stack, phase = state
+        if ch in DIGITS:
+            nxt = {"minus": "zero" if ch == "0" else "int", "int": "int", "dot": "frac", "frac": "frac",
+                   "exp": "expdigit", "expsign": "expdigit", "expdigit": "expdigit"}.get(phase)
+            return ("num", stack, nxt) if nxt else None
+        if ch == "." and phase in ("zero", "int"):
+            return ("num", stack, "dot")
+        if ch in "eE" and phase in ("zero", "int", "frac"):
+            return ("num", stack, "exp")
+        if ch in "+-" and phase == "exp":
+            return ("num", stack, "expsign")
+        if phase in _NUMBER_ENDS:  # the number ends here; the character is read after it
+            return self.step(("after", stack, 0), ch)
+        return None
+
+
+class _Vocab:
+    """One tokenizer's token strings, indexed for the grammar, and the masks computed so far."""
+
+    MAX_MASKS = 4096
+
+    def __init__(self, tokenizer):
+        self.strings = token_strings(tokenizer)
+        self.size = len(self.strings)
+        plain = [bool(s) and all(ch not in '"\\' and ord(ch) >= 0x20 for ch in s) for s in self.strings]
+        self.plain_in_string = np.array(plain, dtype=bool)  # a string's content whatever the state
+        self.string_exits = [(i, s) for i, s in enumerate(self.strings) if s and not plain[i]]
+        self.index = first_two_index(self.strings)
+        self.single_chars = {s for s in self.strings if len(s) == 1}
+        self.masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+    def mask(self, grammar: JsonGrammar, state: tuple) -> torch.Tensor:
+        key = (grammar, state)
+        mask = self.masks.get(key)
+        if mask is None:
+            mask = (self._string_mask(grammar, state) if state[0] == "str"
+                    else narrow_mask(grammar, state, self.index, self.size))
+            self.masks[key] = mask
+            if len(self.masks) > self.MAX_MASKS:
+                self.masks.popitem(last=False)
+        else:
+            self.masks.move_to_end(key)
+        return mask
+
+    def _string_mask(self, grammar: JsonGrammar, state: tuple) -> torch.Tensor:
+        ok = self.plain_in_string.copy()
+        ok[[i for i, s in self.string_exits if grammar.run(state, s) is not None]] = True
+        return torch.from_numpy(ok)
+
+
+_VOCABS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class JsonObjectConstraint(TokenConstraint):
+    """Token-level `JsonGrammar` for one sequence (registered in the engine as "json_object").
+
+    The first one built for a tokenizer decodes its whole vocabulary (about a second for 49k
+    tokens); later ones share that work and the masks. ValueError when the tokenizer lacks a
+    one-character token for a character of JSON's syntax, since then some states could have no token."""
+
+    def __init__(self, tokenizer, max_depth: int = 32, max_whitespace: int = 24):
+        self.grammar = JsonGrammar(max_depth, max_whitespace)
+        vocab = _VOCABS.get(tokenizer)
+        if vocab is None:
+            vocab = _VOCABS[tokenizer] = _Vocab(tokenizer)
+        self._vocab = vocab
+        missing = sorted(set('{}[]:,"\\ ' + DIGITS + "-.eE+" + "truefalsn" + HEX) - vocab.single_chars)
+        if missing:
+            raise ValueError(f"the tokenizer has no one-character token for {missing}, needed to write JSON")
+        self.state: tuple = self.grammar.start
+        self.text = ""
+
+    def allowed(self) -> torch.Tensor:
+        return self._vocab.mask(self.grammar, self.state)
+
+    def advance(self, token_id: int) -> None:
+        vocab = self._vocab
+        piece = vocab.strings[token_id] if 0 <= token_id < vocab.size else ""
+        state = self.grammar.run(self.state, piece) if piece else None
+        if state is None:
+            raise ValueError(f"token {token_id} ({piece!r}) cannot come next in a JSON object, after "
+                             f"{self.text[-40:]!r}")
+        self.state = state
+        self.text += piece
+
+    @property
+    def is_complete(self) -> bool:
+        return self.state == DONE
