@@ -148,6 +148,12 @@ class CompletionService:
         self._check_model(request.model)
         if request.json_mode:
             await self._check_json_mode()
+        if request.logit_bias:
+            vocabulary = await self.engine.call(lambda engine: len(engine.tokenizer))
+            beyond = [t for t in request.logit_bias if int(t) >= vocabulary]
+            if beyond:
+                raise RequestError("logit_bias", f"token ids {beyond[:5]} are not in the model's vocabulary of "
+                                   f"{vocabulary}")
         prompts, param = await self._encode(request)
         return [self._engine_request(request, prompt_ids, param) for prompt_ids in prompts]
 
@@ -200,6 +206,7 @@ class CompletionService:
             repetition_penalty=request.repetition_penalty,
             min_tokens=request.min_tokens,
             ignore_eos=request.ignore_eos,
+            logit_bias={int(token): bias for token, bias in (request.logit_bias or {}).items()},
             seed=request.seed,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,

@@ -44,7 +44,7 @@ class StreamOptions(BaseModel):
 class _RequestFields(BaseModel):
     """The sampling and streaming fields both endpoints take. Unknown fields are ignored, as OpenAI's
     optional knobs that do not change the answer (user, metadata, store, ...) should be; the ones
-    that would change it and are not implemented (logit_bias, response_format, and per endpoint
+    that would change it and are not implemented (response_format's json_schema, and per endpoint
     tools, suffix, best_of) are declared so that anything but their neutral value is a 400."""
 
     model_config = ConfigDict(extra="ignore")
@@ -75,15 +75,19 @@ class _RequestFields(BaseModel):
     stream_options: StreamOptions | None = None
     # OpenAI fields that would change the answer and that this server does not implement: refused when
     # set to anything but their neutral value, never silently ignored
-    logit_bias: dict | None = Field(None, description="Not supported; must be absent, null or {}.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string, as OpenAI's) -> a bias from "
+                                                "-100 to 100 added to its logit: -100 bans it, 100 all but forces it.")
     response_format: dict | None = Field(None, description="{'type': 'text'} (the default) or {'type': "
                                          "'json_object'}: the answer is then one JSON object, by constrained decoding.")
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported; leave the field out")
+    def _bias_by_token_id(cls, value):
+        for token, bias in (value or {}).items():
+            if not token.isdigit() or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"{token!r}: {bias}: keys are token ids, biases lie in [-100, 100]")
+        if len(value or {}) > 300:
+            raise ValueError(f"at most 300 tokens may be biased, got {len(value)}")
         return value
 
     @field_validator("response_format")

@@ -139,7 +139,7 @@ class JsonGrammar(CharGrammar):
 class _Vocab:
     """One tokenizer's token strings, indexed for the grammar, and the masks computed so far."""
 
-    MAX_MASKS = 4096
+    MAX_MASKS = 1024  # a mask is one byte a token: 48 MiB at most for a 49k vocabulary
 
     def __init__(self, tokenizer):
         self.strings = token_strings(tokenizer)

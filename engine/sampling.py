@@ -51,12 +51,14 @@ def sample(
     `engine.constraints`); disallowed tokens get no probability, greedy or sampled. `histories`
     holds each row's generated tokens, for presence and frequency penalties, and `prompts` each
     row's prompt, which the repetition penalty counts too."""
-    plain = all(p.greedy and not _penalized(p) for p in params)
+    plain = all(p.greedy and not _penalized(p) and not p.logit_bias for p in params)
     if plain and (masks is None or all(m is None for m in masks)):
         return logits.argmax(dim=-1).tolist()  # where the logits are: a GPU sends back B ids, not B x vocab floats
     logits = logits.cpu()
     if histories is not None and any(_penalized(p) for p in params):
         logits = _apply_penalties(logits, params, histories, prompts)
+    if any(p.logit_bias for p in params):
+        logits = _apply_biases(logits, params)
     if masks is not None and any(m is not None for m in masks):
         logits = _apply_masks(logits, masks)
     chosen = logits.argmax(dim=-1).tolist()
@@ -87,6 +89,17 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histori
             seen = seen[seen < width]
             picked = logits[row, seen]
             logits[row, seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+    return logits
+
+
+def _apply_biases(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    logits = logits.clone()
+    width = logits.shape[-1]
+    for row, p in enumerate(params):
+        biased = [(token, bias) for token, bias in p.logit_bias.items() if token < width]
+        if biased:
+            tokens, biases = zip(*biased)
+            logits[row, list(tokens)] += torch.tensor(biases, dtype=logits.dtype)
     return logits
 
 

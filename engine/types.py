@@ -28,6 +28,9 @@ class SamplingParams(BaseModel):
                                       "The Hugging Face and vLLM semantics; greedy decoding too.")
     min_tokens: int = Field(0, ge=0, description="No end of sequence before this many answer tokens (stop strings "
                             "still end it).")
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=1024, description="Token id -> a value "
+                                         "(-100 to 100) added to its logit before sampling, greedy too (OpenAI's "
+                                         "semantics): -100 bans a token, 100 all but forces it.")
     stop: list[str] = Field(default_factory=list, description="Strings that end the answer (not included).")
     ignore_eos: bool = Field(False, description="Keep going past end-of-sequence (benchmarks).")
     length_cap: int | None = Field(
@@ -65,6 +68,14 @@ class SamplingParams(BaseModel):
         description="Name of a decoding constraint (see engine.constraints.CONSTRAINTS), e.g. 'plan_lines': "
         "only tokens its grammar admits are sampled, and the answer ends (STOP) when the grammar does.",
     )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float]) -> dict[int, float]:
+        for token, bias in value.items():
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"token {token}: ids are not negative and biases lie in [-100, 100], got {bias}")
+        return value
 
     @field_validator("stop")
     @classmethod

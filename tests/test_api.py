@@ -107,7 +107,10 @@ def test_greedy_answer_is_deterministic_and_text_parts_are_accepted(client):
         ({"stream": True, "n": 9}, "n"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"logit_bias": {"50": 5}}, "logit_bias"),
+        ({"logit_bias": {"abc": 5}}, "logit_bias"),
+        ({"logit_bias": {"50": 101}}, "logit_bias"),
+        ({"logit_bias": {"100000": 1}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         ({"response_format": {"type": "json_object"}, "mode": "plato"}, "response_format"),
         ({"response_format": {"type": "json_object"}}, "response_format"),  # the tiny tokenizer cannot write JSON
@@ -353,6 +356,15 @@ def test_vllms_sampling_extras_reach_the_sampler(client):
     assert answer(temperature=2.0, seed=1, top_k=1) == greedy  # one candidate: the greedy one
     assert answer(top_k=-1) == answer(top_k=0) == greedy  # vLLM's ways of saying no limit
     assert answer(repetition_penalty=3.0) != greedy
+
+
+def test_logit_bias_steers_the_answer_as_openais_does(client, tiny_tokenizer):
+    first = _chat(client, max_tokens=1).json()["choices"][0]["message"]["content"]
+    banned = str(tiny_tokenizer.convert_tokens_to_ids(first.strip()))
+    assert _chat(client, max_tokens=1, logit_bias={banned: -100}).json()["choices"][0]["message"]["content"] != first
+    forced = tiny_tokenizer.convert_ids_to_tokens(77)
+    body = _chat(client, max_tokens=3, logit_bias={"77": 100}).json()
+    assert body["choices"][0]["message"]["content"].split() == [forced] * 3
 
 
 def test_answers_in_flight_are_counted_per_choice_and_past_the_limit_a_request_is_503(make_client):

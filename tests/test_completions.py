@@ -80,7 +80,7 @@ def test_logprobs_are_openais_parallel_lists_streamed_or_not(client):
         ({"n": 9}, "n"),
         ({"suffix": " the end"}, "suffix"),
         ({"best_of": 3}, "best_of"),
-        ({"logit_bias": {"50": -100}}, "logit_bias"),
+        ({"logit_bias": {"-50": -100}}, "logit_bias"),
         ({"max_tokens": 65}, "max_tokens"),
         ({"stop": [""]}, "stop"),
         ({"stream": True, "logprobs": -1}, "logprobs"),

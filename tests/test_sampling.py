@@ -58,3 +58,12 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     negative = torch.tensor([[-1.0, -0.9, -5.0, -5.0, -5.0, -5.0, -5.0, -5.0]])
     assert sample(negative, [SamplingParams(repetition_penalty=2.0)], [None], None, [[]], [[1]]) == [0]  # -1.8 < -1
     assert row[0, 3] == 2.0  # the caller's logits are left alone
+
+
+def test_logit_bias_adds_to_a_tokens_logit_greedy_or_sampled():
+    logits = logits_rows(1)  # token 3 best, then 5
+    assert sample(logits, [SamplingParams(logit_bias={3: -100.0})], [None]) == [5]
+    assert sample(logits, [SamplingParams(logit_bias={6: 100.0})], [None]) == [6]
+    assert sample(logits, [SamplingParams(logit_bias={3: -0.5})], [None]) == [3]  # 1.5 still beats 1.0
+    assert _draws(logits, SamplingParams(temperature=1.0, logit_bias={i: -100.0 for i in range(8) if i != 4})) == {4}
+    assert logits[0, 3] == 2.0  # the caller's logits are left alone
