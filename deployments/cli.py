@@ -35,6 +35,8 @@ def _ask(args, parser) -> int:
     client = openai.OpenAI(base_url=f"{args.base_url.rstrip('/')}/v1", api_key=api_key)
     options = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     options = {name: value for name, value in options.items() if value is not None}
+    if args.json:
+        options["response_format"] = {"type": "json_object"}
     if args.stream:
         options.update(stream=True, stream_options={"include_usage": True})
     started = time.monotonic()
@@ -143,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--max-tokens", type=int, help="Answer budget; default: the server's.")
     ask.add_argument("--temperature", type=float, help="Sampling temperature; default: the server's (0, greedy).")
     ask.add_argument("--stream", action="store_true", help="Print tokens as they are decoded.")
+    ask.add_argument("--json", action="store_true", help="JSON mode: the answer is one JSON object.")
     _job_parser(commands)
     bench = _command(commands, "bench", _bench, "run a benchmark: the same as `python -m bench <scenario> ...`")
     bench.add_argument("scenario", help="engine, steps, plato, judge, schedule, schedule-sim or serve")

@@ -41,7 +41,12 @@ def test_ask_prints_the_answer_and_sends_mode_and_budget(fake, capsys):
     assert err.startswith("[mode plato, 3+4 tokens, ")
     [body] = fake.requests
     assert (body["model"], body["mode"], body["max_tokens"]) == ("fake-model", "plato", 5)
-    assert "temperature" not in body and not body.get("stream")
+    assert "temperature" not in body and not body.get("stream") and "response_format" not in body
+
+
+def test_ask_asks_for_json_mode(fake, capsys):
+    assert plato("ask", "A cat, as JSON", "--base-url", fake.url, "--json") == 0
+    assert fake.requests[0]["response_format"] == {"type": "json_object"}
 
 
 def test_ask_streams_tokens(fake, capsys):
