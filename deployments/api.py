@@ -18,6 +18,7 @@ from deployments.openai_schema import (
     OpenAIRequest,
     RequestError,
     TokenizeRequest,
+    check_model,
 )
 
 
@@ -98,9 +99,7 @@ def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight
     @app.get("/v1/models/{model:path}")  # the openai client's models.retrieve; ids may hold a slash
     async def model(model: str, request: Request):
         card = await model_card(request)
-        if model != card["id"]:
-            raise RequestError("model", f"the model `{model}` does not exist; this server serves `{card['id']}`",
-                               status=404, code="model_not_found")
+        check_model(model, card["id"])
         return card
 
     # vLLM's tokenizer routes, outside /v1 as vLLM has them: lm-evaluation-harness's API models look for

@@ -26,6 +26,7 @@ from deployments.openai_schema import (
     TextCompletion,
     TokenizeRequest,
     Usage,
+    check_model,
 )
 from deployments.openai_logprobs import chat_logprobs
 from deployments.text_completions import Echo, StreamedText, scored_only, text_choice
@@ -123,6 +124,8 @@ class CompletionService:
         self.orchestrator = orchestrator  # answers sot / plato / auto; without it every mode is `ar`
         self.model_name = engine.engine.model_name
         self.max_model_len = engine.engine.max_model_len
+        self.vocabulary = len(engine.engine.tokenizer)  # token ids a request may name: 0 to this, less one
+        self._json_refusal: str | None = None  # why this model cannot do JSON mode, once asked ("" when it can)
         self.choices_in_flight = 0  # answers this service is waiting for: the load limits.max_queued_requests bounds
 
     async def _encode(self, request: OpenAIRequest) -> tuple[list[list[int]], str]:
@@ -136,39 +139,37 @@ class CompletionService:
             if isinstance(prompt, str):
                 encoded.append(await self.engine.call(lambda engine, text=prompt: engine.encode(text)))
                 continue
-            vocabulary = await self.engine.call(lambda engine: len(engine.tokenizer))
-            if max(prompt) >= vocabulary:
-                raise RequestError("prompt", f"token id {max(prompt)} is not in the model's vocabulary of {vocabulary}")
+            if max(prompt) >= self.vocabulary:
+                raise RequestError("prompt", f"token id {max(prompt)} is not in the model's vocabulary of "
+                                   f"{self.vocabulary}")
             encoded.append(list(prompt))
         return encoded, "prompt"
 
     async def to_engine_requests(self, request: OpenAIRequest) -> list[GenerationRequest]:
         """One engine request per prompt (a chat request has one), checked against the served model
         and the limits."""
-        self._check_model(request.model)
+        check_model(request.model, self.model_name)
         if request.json_mode:
             await self._check_json_mode()
-        if request.logit_bias:
-            vocabulary = await self.engine.call(lambda engine: len(engine.tokenizer))
-            beyond = [t for t in request.logit_bias if int(t) >= vocabulary]
-            if beyond:
-                raise RequestError("logit_bias", f"token ids {beyond[:5]} are not in the model's vocabulary of "
-                                   f"{vocabulary}")
+        beyond = [t for t in request.logit_bias or {} if int(t) >= self.vocabulary]
+        if beyond:
+            raise RequestError("logit_bias", f"token ids {beyond[:5]} are not in the model's vocabulary of "
+                               f"{self.vocabulary}")
         prompts, param = await self._encode(request)
         return [self._engine_request(request, prompt_ids, param) for prompt_ids in prompts]
 
     async def _check_json_mode(self) -> None:
         """JSON mode needs a tokenizer that can write JSON's every character alone; refused up front
-        otherwise, rather than by the engine once the request has gone through the batcher."""
-        try:
-            await self.engine.call(lambda engine: make_constraint("json_object", engine.tokenizer))
-        except ValueError as error:
-            raise RequestError("response_format", f"JSON mode is not available with this model: {error}") from None
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise RequestError("model", f"the model `{model}` does not exist; this server serves `{self.model_name}`",
-                               status=404, code="model_not_found")
+        otherwise, rather than by the engine once the request has gone through the batcher. The
+        tokenizer does not change, so it is tried once."""
+        if self._json_refusal is None:
+            try:
+                await self.engine.call(lambda engine: make_constraint("json_object", engine.tokenizer))
+                self._json_refusal = ""
+            except ValueError as error:
+                self._json_refusal = str(error)
+        if self._json_refusal:
+            raise RequestError("response_format", f"JSON mode is not available with this model: {self._json_refusal}")
 
     def _engine_request(self, request: OpenAIRequest, prompt_ids: list[int], param: str) -> GenerationRequest:
         limit = self.limits.max_prompt_tokens
@@ -400,7 +401,7 @@ class CompletionService:
 
     # ---- vLLM's tokenizer routes (lm-evaluation-harness finds and uses them) ----------------------
     async def tokenize(self, request: TokenizeRequest) -> dict:
-        self._check_model(request.model)
+        check_model(request.model, self.model_name)
         if request.messages is not None:
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             tokens = await self.engine.call(lambda e: e.encode_chat(messages, request.add_generation_prompt))
@@ -410,14 +411,10 @@ class CompletionService:
         return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": list(tokens)}
 
     async def detokenize(self, request: DetokenizeRequest) -> dict:
-        self._check_model(request.model)
-
-        def decode(engine) -> str:
-            if request.tokens and not 0 <= min(request.tokens) <= max(request.tokens) < len(engine.tokenizer):
-                raise RequestError("tokens", f"token ids are from 0 to {len(engine.tokenizer) - 1} in this vocabulary")
-            return engine.tokenizer.decode(request.tokens)
-
-        return {"prompt": await self.engine.call(decode)}
+        check_model(request.model, self.model_name)
+        if request.tokens and not 0 <= min(request.tokens) <= max(request.tokens) < self.vocabulary:
+            raise RequestError("tokens", f"token ids are from 0 to {self.vocabulary - 1} in this vocabulary")
+        return {"prompt": await self.engine.call(lambda engine: engine.tokenizer.decode(request.tokens))}
 
     async def tokenizer_info(self) -> dict:
         def info(engine) -> dict:
@@ -425,7 +422,7 @@ class CompletionService:
             return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
                     "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
                     "chat_template": tokenizer.chat_template, "model_max_length": self.max_model_len,
-                    "vocab_size": len(tokenizer)}
+                    "vocab_size": self.vocabulary}
 
         return await self.engine.call(info)
 

@@ -377,3 +377,10 @@ class RequestError(ValueError):
     def to_body(self) -> dict:
         kind = "server_error" if self.status >= 500 else "invalid_request_error"
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+def check_model(asked: str | None, served: str) -> None:
+    """A request may name the served model, never another (404 `model_not_found`)."""
+    if asked is not None and asked != served:
+        raise RequestError("model", f"the model `{asked}` does not exist; this server serves `{served}`",
+                           status=404, code="model_not_found")
