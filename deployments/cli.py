@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -35,8 +36,18 @@ def _ask(args, parser) -> int:
     client = openai.OpenAI(base_url=f"{args.base_url.rstrip('/')}/v1", api_key=api_key)
     options = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     options = {name: value for name, value in options.items() if value is not None}
+    if args.json and args.schema:
+        parser.error("--json and --schema both ask for a format; give one")
     if args.json:
         options["response_format"] = {"type": "json_object"}
+    if args.schema:
+        try:
+            with open(args.schema, encoding="utf-8") as file:
+                schema = json.load(file)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--schema: cannot read a JSON Schema from {args.schema}: {exc}")
+        name = os.path.splitext(os.path.basename(args.schema))[0]
+        options["response_format"] = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
     if args.stream:
         options.update(stream=True, stream_options={"include_usage": True})
     started = time.monotonic()
@@ -146,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--temperature", type=float, help="Sampling temperature; default: the server's (0, greedy).")
     ask.add_argument("--stream", action="store_true", help="Print tokens as they are decoded.")
     ask.add_argument("--json", action="store_true", help="JSON mode: the answer is one JSON object.")
+    ask.add_argument("--schema", metavar="FILE", help="Structured output: the answer validates against the JSON "
+                     "Schema in FILE.")
     _job_parser(commands)
     bench = _command(commands, "bench", _bench, "run a benchmark: the same as `python -m bench <scenario> ...`")
     bench.add_argument("scenario", help="engine, steps, plato, judge, schedule, schedule-sim or serve")

@@ -149,8 +149,8 @@ class CompletionService:
         """One engine request per prompt (a chat request has one), checked against the served model
         and the limits."""
         check_model(request.model, self.model_name)
-        if request.json_mode:
-            await self._check_json_mode()
+        if request.json_format is not None:
+            await self._check_json_format(request)
         beyond = [t for t in request.logit_bias or {} if int(t) >= self.vocabulary]
         if beyond:
             raise RequestError("logit_bias", f"token ids {beyond[:5]} are not in the model's vocabulary of "
@@ -158,10 +158,14 @@ class CompletionService:
         prompts, param = await self._encode(request)
         return [self._engine_request(request, prompt_ids, param) for prompt_ids in prompts]
 
-    async def _check_json_mode(self) -> None:
-        """JSON mode needs a tokenizer that can write JSON's every character alone; refused up front
-        otherwise, rather than by the engine once the request has gone through the batcher. The
-        tokenizer does not change, so it is tried once."""
+    async def _check_json_format(self, request: OpenAIRequest) -> None:
+        """JSON needs a tokenizer that can write JSON's every character alone, and a schema's keys and
+        enum values; refused up front otherwise, rather than by the engine once the request has gone
+        through the batcher. The tokenizer does not change, so JSON's characters are tried once; a
+        schema is tried per request (its grammar is kept per schema, so that is quick)."""
+        field = "guided_json" if request.guided_json is not None else "response_format"
+        if request.guided_json is not None and (request.response_format or {}).get("type", "text") != "text":
+            raise RequestError("guided_json", "response_format asks for a format too; send one of the two")
         if self._json_refusal is None:
             try:
                 await self.engine.call(lambda engine: make_constraint("json_object", engine.tokenizer))
@@ -169,7 +173,13 @@ class CompletionService:
             except ValueError as error:
                 self._json_refusal = str(error)
         if self._json_refusal:
-            raise RequestError("response_format", f"JSON mode is not available with this model: {self._json_refusal}")
+            raise RequestError(field, f"JSON output is not available with this model: {self._json_refusal}")
+        name, schema = request.json_format
+        if schema is not None:
+            try:
+                await self.engine.call(lambda engine: make_constraint(name, engine.tokenizer, arg=schema))
+            except ValueError as error:
+                raise RequestError(field, str(error)) from None
 
     def _engine_request(self, request: OpenAIRequest, prompt_ids: list[int], param: str) -> GenerationRequest:
         limit = self.limits.max_prompt_tokens
@@ -213,10 +223,11 @@ class CompletionService:
             frequency_penalty=request.frequency_penalty,
             stop=request.stop,
             # a loop cut short would end a JSON answer as "stop" with its object unclosed: it runs to "length"
-            stop_on_loop=self.limits.stop_on_loop and not request.json_mode,
+            stop_on_loop=self.limits.stop_on_loop and request.json_format is None,
             logprobs=request.logprobs_asked,
             prompt_logprobs=request.prompt_logprobs_asked,
-            constraint="json_object" if request.json_mode else None,
+            constraint=request.json_format[0] if request.json_format else None,
+            constraint_arg=request.json_format[1] if request.json_format else None,
         )
         return GenerationRequest(prompt_ids=prompt_ids, params=params)
 
@@ -253,8 +264,8 @@ class CompletionService:
                                "to a request")
         if request.n > 1 and self._planned(request):
             raise RequestError("n", f"a planned answer (mode '{request.mode}') has one choice; ask n > 1 with mode 'ar'")
-        if request.json_mode and self._planned(request):
-            raise RequestError("response_format", f"a planned answer (mode '{request.mode}') is assembled from its "
+        if request.json_format is not None and self._planned(request):
+            raise RequestError("guided_json" if request.guided_json is not None else "response_format", f"a planned answer (mode '{request.mode}') is assembled from its "
                                "parts as text; ask for JSON with mode 'ar'")
         if request.logprobs_asked is not None and self._planned(request):
             raise RequestError("logprobs", f"a planned answer (mode '{request.mode}') has no token log probabilities; "

@@ -2,12 +2,14 @@
 /v1/models, and the error every refusal becomes."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.json_schema import compile_schema
 from graph.orchestrator import Mode, RequestMode
 
 FinishReason = Literal["stop", "length"]
@@ -44,8 +46,8 @@ class StreamOptions(BaseModel):
 class _RequestFields(BaseModel):
     """The sampling and streaming fields both endpoints take. Unknown fields are ignored, as OpenAI's
     optional knobs that do not change the answer (user, metadata, store, ...) should be; the ones
-    that would change it and are not implemented (response_format's json_schema, and per endpoint
-    tools, suffix, best_of) are declared so that anything but their neutral value is a 400."""
+    that would change it and are not implemented (per endpoint tools, suffix, best_of) are declared so
+    that anything but their neutral value is a 400."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -77,8 +79,12 @@ class _RequestFields(BaseModel):
     # set to anything but their neutral value, never silently ignored
     logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string, as OpenAI's) -> a bias from "
                                                 "-100 to 100 added to its logit: -100 bans it, 100 all but forces it.")
-    response_format: dict | None = Field(None, description="{'type': 'text'} (the default) or {'type': "
-                                         "'json_object'}: the answer is then one JSON object, by constrained decoding.")
+    response_format: dict | None = Field(
+        None, description="{'type': 'text'} (the default); {'type': 'json_object'}: the answer is one JSON object; "
+        "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}: the answer is JSON that validates "
+        "against the schema (engine.json_schema lists the keywords served). Both by constrained decoding.")
+    guided_json: dict | str | None = Field(None, description="vLLM's: a JSON Schema (or its text) the answer "
+                                           "follows, as response_format's json_schema.")
 
     @field_validator("logit_bias")
     @classmethod
@@ -94,14 +100,37 @@ class _RequestFields(BaseModel):
     @classmethod
     def _served_formats(cls, value):
         kind = (value or {}).get("type", "text")
-        if kind not in ("text", "json_object"):
-            raise ValueError(f"the 'text' and 'json_object' formats are served, not {kind!r}")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"the 'text', 'json_object' and 'json_schema' formats are served, not {kind!r}")
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("json_schema: an object with the JSON Schema under 'schema' (and a 'name')")
+            compile_schema(spec["schema"])  # an unsupported keyword is a 400 naming it, before any decoding
+        return value
+
+    @field_validator("guided_json")
+    @classmethod
+    def _guided_schema(cls, value):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"not JSON: {error}") from None
+        compile_schema(value)
         return value
 
     @property
-    def json_mode(self) -> bool:
-        """OpenAI's JSON mode: the answer is one JSON object (engine.json_constraint)."""
-        return (self.response_format or {}).get("type") == "json_object"
+    def json_format(self) -> tuple[str, dict | None] | None:
+        """The JSON the answer is held to, as the engine's constraint and its argument: OpenAI's JSON
+        mode ("json_object"), or a schema ("json_schema": response_format's, or vLLM's guided_json).
+        None for plain text."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_schema":
+            return "json_schema", self.response_format["json_schema"]["schema"]
+        if self.guided_json is not None:
+            return "json_schema", self.guided_json
+        return ("json_object", None) if kind == "json_object" else None
 
     @field_validator("stop")
     @classmethod

@@ -13,10 +13,12 @@ from collections.abc import Iterable
 
 import torch
 
-# name -> "module:Class"; the class is called with the engine's tokenizer.
+# name -> "module:Class"; the class is called with the engine's tokenizer, and the request's
+# `constraint_arg` after it for the constraints that take one.
 CONSTRAINTS: dict[str, str] = {
     "plan_lines": "graph.plan_constraint:PlanLineConstraint",
     "json_object": "engine.json_constraint:JsonObjectConstraint",
+    "json_schema": "engine.json_schema_constraint:JsonSchemaConstraint",
 }
 
 
@@ -134,15 +136,16 @@ def resolve_constraint(name: str) -> type:
         raise ValueError(f"constraint: {name!r} is registered as {path!r}, which cannot be loaded: {error}") from None
 
 
-def make_constraint(name: str, tokenizer, resume_ids: Iterable[int] = ()) -> TokenConstraint:
-    """A fresh constraint of kind `name` for one sequence decoded with `tokenizer`, advanced past
-    `resume_ids` (tokens an earlier, cut-off pass already generated)."""
+def make_constraint(name: str, tokenizer, resume_ids: Iterable[int] = (), arg=None) -> TokenConstraint:
+    """A fresh constraint of kind `name` (given `arg`, for one that takes an argument) for one sequence
+    decoded with `tokenizer`, advanced past `resume_ids` (tokens an earlier, cut-off pass already generated)."""
+    kind = resolve_constraint(name)
     try:
-        constraint = resolve_constraint(name)(tokenizer)
+        constraint = kind(tokenizer) if arg is None else kind(tokenizer, arg)
     except ValueError as error:
         if str(error).startswith("constraint:"):
             raise
-        raise ValueError(f"constraint: {name!r} cannot be used with this model's tokenizer: {error}") from None
+        raise ValueError(f"constraint: {name!r} cannot be used here: {error}") from None
     try:
         for token in resume_ids:
             constraint.advance(token)

@@ -122,7 +122,8 @@ class LLMEngine(Engine):
         if len(request.resume_ids) >= request.params.max_tokens:
             raise ValueError("resume_ids: already as long as max_tokens; nothing left to generate")
         name = request.params.constraint
-        constraint = make_constraint(name, self.tokenizer, request.resume_ids) if name is not None else None
+        constraint = (make_constraint(name, self.tokenizer, request.resume_ids, request.params.constraint_arg)
+                      if name is not None else None)
         sequence = _Sequence(
             request=request.model_copy(update={"prompt_ids": list(request.prompt_ids)}),
             detokenizer=IncrementalDetokenizer(self.tokenizer),

@@ -17,6 +17,7 @@ mask is computed once. Tokens holding half a UTF-8 character are never allowed (
 """
 from __future__ import annotations
 
+import math
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -119,6 +120,12 @@ class JsonGrammar(CharGrammar):
             return None
         return ("hex", stack, is_key, left - 1) if left > 1 else ("str", stack, is_key)
 
+    @staticmethod
+    def string_budget(state: tuple) -> float | None:
+        """Inside a string's text, any token free of quotes, backslashes and control characters may
+        come next, whatever its length (`_Vocab` allows those wholesale); elsewhere None."""
+        return math.inf if state[0] == "str" else None
+
     def _number(self, state: tuple, ch: str) -> tuple | None:
         _, stack, phase = state
         if ch in DIGITS:
@@ -137,7 +144,7 @@ class JsonGrammar(CharGrammar):
 
 
 class _Vocab:
-    """One tokenizer's token strings, indexed for the grammar, and the masks computed so far."""
+    """One tokenizer's token strings, indexed for the grammars, and the masks computed so far."""
 
     MAX_MASKS = 1024  # a mask is one byte a token: 48 MiB at most for a 49k vocabulary
 
@@ -146,16 +153,18 @@ class _Vocab:
         self.size = len(self.strings)
         plain = [bool(s) and all(ch not in '"\\' and ord(ch) >= 0x20 for ch in s) for s in self.strings]
         self.plain_in_string = np.array(plain, dtype=bool)  # a string's content whatever the state
+        self.lengths = np.array([len(s) for s in self.strings])
         self.string_exits = [(i, s) for i, s in enumerate(self.strings) if s and not plain[i]]
         self.index = first_two_index(self.strings)
         self.single_chars = {s for s in self.strings if len(s) == 1}
         self.masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
-    def mask(self, grammar: JsonGrammar, state: tuple) -> torch.Tensor:
+    def mask(self, grammar: CharGrammar, state) -> torch.Tensor:
         key = (grammar, state)
         mask = self.masks.get(key)
         if mask is None:
-            mask = (self._string_mask(grammar, state) if state[0] == "str"
+            budget = grammar.string_budget(state)
+            mask = (self._string_mask(grammar, state, budget) if budget is not None
                     else narrow_mask(grammar, state, self.index, self.size))
             self.masks[key] = mask
             if len(self.masks) > self.MAX_MASKS:
@@ -164,32 +173,43 @@ class _Vocab:
             self.masks.move_to_end(key)
         return mask
 
-    def _string_mask(self, grammar: JsonGrammar, state: tuple) -> torch.Tensor:
-        ok = self.plain_in_string.copy()
+    def _string_mask(self, grammar: CharGrammar, state, budget: float) -> torch.Tensor:
+        ok = self.plain_in_string & (self.lengths <= budget)
         ok[[i for i, s in self.string_exits if grammar.run(state, s) is not None]] = True
         return torch.from_numpy(ok)
 
+    def spells(self, text: str) -> bool:
+        """True when some sequence of tokens writes exactly `text`."""
+        reachable = [True] + [False] * len(text)
+        for start in range(len(text)):
+            if reachable[start]:
+                for tokens in self.index.get(text[start], {}).values():
+                    for _, s in tokens:
+                        if text.startswith(s, start):
+                            reachable[start + len(s)] = True
+        return reachable[-1]
+
 
 _VOCABS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+JSON_CHARACTERS = set('{}[]:,"\\ ' + DIGITS + "-.eE+" + "truefalsn" + HEX)
 
 
-class JsonObjectConstraint(TokenConstraint):
-    """Token-level `JsonGrammar` for one sequence (registered in the engine as "json_object").
+class GrammarConstraint(TokenConstraint):
+    """A JSON grammar lifted to tokens for one sequence. The first one built for a tokenizer decodes its
+    whole vocabulary (about a second for 49k tokens); later ones share that work and the masks.
+    ValueError when the tokenizer lacks a one-character token for a character of JSON's syntax, since
+    then some states could have no token."""
 
-    The first one built for a tokenizer decodes its whole vocabulary (about a second for 49k
-    tokens); later ones share that work and the masks. ValueError when the tokenizer lacks a
-    one-character token for a character of JSON's syntax, since then some states could have no token."""
-
-    def __init__(self, tokenizer, max_depth: int = 32, max_whitespace: int = 24):
-        self.grammar = JsonGrammar(max_depth, max_whitespace)
+    def __init__(self, tokenizer, grammar: CharGrammar):
+        self.grammar = grammar
         vocab = _VOCABS.get(tokenizer)
         if vocab is None:
             vocab = _VOCABS[tokenizer] = _Vocab(tokenizer)
         self._vocab = vocab
-        missing = sorted(set('{}[]:,"\\ ' + DIGITS + "-.eE+" + "truefalsn" + HEX) - vocab.single_chars)
+        missing = sorted(JSON_CHARACTERS - vocab.single_chars)
         if missing:
             raise ValueError(f"the tokenizer has no one-character token for {missing}, needed to write JSON")
-        self.state: tuple = self.grammar.start
+        self.state = self.grammar.start
         self.text = ""
 
     def allowed(self) -> torch.Tensor:
@@ -200,7 +220,7 @@ class JsonObjectConstraint(TokenConstraint):
         piece = vocab.strings[token_id] if 0 <= token_id < vocab.size else ""
         state = self.grammar.run(self.state, piece) if piece else None
         if state is None:
-            raise ValueError(f"token {token_id} ({piece!r}) cannot come next in a JSON object, after "
+            raise ValueError(f"token {token_id} ({piece!r}) cannot come next in this JSON answer, after "
                              f"{self.text[-40:]!r}")
         self.state = state
         self.text += piece
@@ -208,3 +228,10 @@ class JsonObjectConstraint(TokenConstraint):
     @property
     def is_complete(self) -> bool:
         return self.state == DONE
+
+
+class JsonObjectConstraint(GrammarConstraint):
+    """Token-level `JsonGrammar` for one sequence (registered in the engine as "json_object")."""
+
+    def __init__(self, tokenizer, max_depth: int = 32, max_whitespace: int = 24):
+        super().__init__(tokenizer, JsonGrammar(max_depth, max_whitespace))

@@ -68,6 +68,10 @@ class SamplingParams(BaseModel):
         description="Name of a decoding constraint (see engine.constraints.CONSTRAINTS), e.g. 'plan_lines': "
         "only tokens its grammar admits are sampled, and the answer ends (STOP) when the grammar does.",
     )
+    constraint_arg: dict | None = Field(
+        None,
+        description="The constraint's argument, for a constraint that takes one: the JSON Schema for 'json_schema'.",
+    )
 
     @field_validator("logit_bias")
     @classmethod

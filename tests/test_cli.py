@@ -4,6 +4,7 @@ sends to Ray Jobs."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -47,6 +48,19 @@ def test_ask_prints_the_answer_and_sends_mode_and_budget(fake, capsys):
 def test_ask_asks_for_json_mode(fake, capsys):
     assert plato("ask", "A cat, as JSON", "--base-url", fake.url, "--json") == 0
     assert fake.requests[0]["response_format"] == {"type": "json_object"}
+
+
+def test_ask_asks_for_a_schema_read_from_a_file(fake, capsys, tmp_path):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    path = tmp_path / "cat.json"
+    path.write_text(json.dumps(schema))
+    assert plato("ask", "A cat, as JSON", "--base-url", fake.url, "--schema", str(path)) == 0
+    assert fake.requests[0]["response_format"] == {"type": "json_schema", "json_schema": {"name": "cat",
+                                                                                          "schema": schema}}
+    path.write_text("{not json")
+    with pytest.raises(SystemExit):
+        plato("ask", "A cat", "--base-url", fake.url, "--schema", str(path))
+    assert "--schema: cannot read a JSON Schema" in capsys.readouterr().err
 
 
 def test_ask_streams_tokens(fake, capsys):

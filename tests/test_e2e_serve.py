@@ -135,6 +135,24 @@ def test_openai_client_json_mode_answers_with_a_json_object(server):
     assert reply.choices[0].finish_reason == "stop" and answer["capital"] == "Paris"
 
 
+def test_openai_client_parses_structured_outputs_into_a_pydantic_model(server):
+    """The openai client's `parse` sends the model's strict JSON Schema and validates the answer into it."""
+    openai = pytest.importorskip("openai")
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        country: str = Field(max_length=30)
+        capital: str = Field(max_length=30)
+        is_european: bool
+
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    reply = client.chat.completions.parse(
+        model="embedded:smollm2-135m", response_format=Capital, max_tokens=64,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}])
+    parsed = reply.choices[0].message.parsed
+    assert isinstance(parsed, Capital) and parsed.capital == "Paris"
+
+
 def test_scores_continuations_as_lm_evaluation_harness_asks(server):
     # local-completions' loglikelihood request: several prompts of token ids, echo, logprobs 1, max_tokens 1
     openai = pytest.importorskip("openai")

@@ -1,0 +1,263 @@
+"""JSON Schema to the nodes that `engine.json_schema_constraint` decodes under (OpenAI's
+`response_format: {"type": "json_schema"}`, vLLM's `guided_json`).
+
+Every answer the constraint admits validates against the schema; it admits a subset of what the
+schema allows, written the way OpenAI's structured outputs write it:
+- an object's properties come in the order the schema lists them; each required one is written,
+  each optional one may be skipped; no other key is written when `properties` is given (extra
+  keys are never needed to validate). Without `properties`, keys are free and their values follow
+  `additionalProperties` (any JSON value when it is absent or true; `false` admits only `{}`).
+- enum and const values are written as `json.dumps` writes them (objects and arrays compact).
+- `oneOf` is decoded as `anyOf`: a value that matched two of its alternatives would not validate,
+  which alternatives that differ by a `const` or `enum` (tagged unions, as pydantic writes them)
+  never do.
+Keywords that would need more than this (pattern, format, numeric bounds, ...) are refused with a
+ValueError naming the keyword and where it is, never ignored: an answer that ignored them could fail
+the user's validation.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+               "readOnly", "writeOnly", "discriminator"}
+HANDLED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+           "minLength", "maxLength", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions"}
+TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_PYTHON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+
+
+@dataclass(frozen=True)
+class Node:
+    """One schema, compiled. `kind` is object, array, string, number, integer, literal or any_of."""
+
+    kind: str
+    keys: tuple[str, ...] = ()  # object: each property's key as written, quotes included ('"name"')
+    values: tuple[int, ...] = ()  # object: each property's value node
+    required: tuple[bool, ...] = ()
+    extra: int | None = None  # object without properties: the node of any key's value (None: no key)
+    items: int | None = None  # array: the items' node (None: no item)
+    min_items: int = 0
+    max_items: int | None = None
+    min_length: int = 0  # string: in characters, an escape counting as one
+    max_length: int | None = None
+    texts: tuple[str, ...] = ()  # literal: the JSON texts it may be
+    options: tuple[int, ...] = ()  # any_of: the alternatives' nodes
+
+    def key_choices(self, first: int) -> range:
+        """The properties that may come next once those before `first` are settled: the optional ones
+        up to and including the first required one."""
+        last = first
+        while last < len(self.keys) and not self.required[last]:
+            last += 1
+        return range(first, min(last + 1, len(self.keys)))
+
+    def may_close(self, first: int) -> bool:
+        """An object may close once no property from `first` on is required."""
+        return not any(self.required[first:])
+
+
+@dataclass
+class Program:
+    """The compiled schema: `nodes[root]` is the answer's node."""
+
+    nodes: list[Node] = field(default_factory=list)
+    root: int = 0
+
+
+class _Compiler:
+    def __init__(self, schema: dict):
+        self.document = schema
+        self.program = Program()
+        self.refs: dict[str, int] = {}
+        self.any_node: int | None = None
+
+    def compile(self, schema, where: str) -> int:
+        if schema is True or schema == {}:
+            return self.any()
+        if schema is False:
+            raise ValueError(f"{where}: false admits no value")
+        if not isinstance(schema, dict):
+            raise ValueError(f"{where}: a schema is an object or a boolean, not {type(schema).__name__}")
+        unknown = sorted(set(schema) - HANDLED - ANNOTATIONS)
+        if unknown:
+            raise ValueError(f"{where}: {unknown[0]!r} is not supported (supported: {', '.join(sorted(HANDLED))})")
+        if "$ref" in schema:
+            if set(schema) - ANNOTATIONS - {"$ref", "$defs", "definitions"}:
+                raise ValueError(f"{where}: $ref beside other keywords is not supported")
+            return self.ref(schema["$ref"], where)
+        if "allOf" in schema:
+            parts = schema["allOf"]
+            rest = {k: v for k, v in schema.items() if k not in ANNOTATIONS | {"allOf", "$defs", "definitions"}}
+            if not isinstance(parts, list) or len(parts) != 1 or rest:
+                raise ValueError(f"{where}.allOf: only an allOf of one schema, alone, is supported")
+            return self.compile(parts[0], f"{where}.allOf[0]")
+        for word in ("anyOf", "oneOf"):
+            if word in schema:
+                return self.alternatives(schema, word, where)
+        if "const" in schema or "enum" in schema:
+            return self.literal(schema, where)
+        types = schema.get("type")
+        if types is None:
+            if any(k in schema for k in ("properties", "required", "additionalProperties")):
+                types = "object"
+            elif any(k in schema for k in ("items", "minItems", "maxItems")):
+                types = "array"
+            elif any(k in schema for k in ("minLength", "maxLength")):
+                types = "string"
+            else:
+                return self.any()
+        if isinstance(types, list):
+            if not types:
+                raise ValueError(f"{where}.type: an empty list admits no value")
+            return self.add(Node("any_of", options=tuple(
+                self.typed(schema, t, f"{where}.type") for t in dict.fromkeys(types))))
+        return self.typed(schema, types, where)
+
+    def add(self, node: Node) -> int:
+        self.program.nodes.append(node)
+        return len(self.program.nodes) - 1
+
+    def any(self) -> int:
+        """Any JSON value: one node, shared, its objects' values and arrays' items itself."""
+        if self.any_node is None:
+            index = self.any_node = self.add(Node("any_of"))
+            options = (self.add(Node("object", extra=index)), self.add(Node("array", items=index)),
+                       self.add(Node("string")), self.add(Node("number")), self.add(Node("literal", texts=(
+                           "true", "false", "null"))))
+            self.program.nodes[index] = Node("any_of", options=options)
+        return self.any_node
+
+    def ref(self, ref, where: str) -> int:
+        if ref in self.refs:
+            return self.refs[ref]
+        prefix = next((p for p in ("#/$defs/", "#/definitions/") if isinstance(ref, str) and ref.startswith(p)), None)
+        if prefix is None:
+            raise ValueError(f"{where}.$ref: only references into #/$defs or #/definitions are supported, not {ref!r}")
+        target = self.document.get(prefix[2:-1], {}).get(ref[len(prefix):])
+        if target is None:
+            raise ValueError(f"{where}.$ref: {ref!r} names no definition")
+        index = self.refs[ref] = self.add(Node("any_of"))  # reserved first: a definition may refer to itself
+        compiled = self.compile(target, ref)
+        self.program.nodes[index] = Node("any_of", options=(compiled,))
+        return index
+
+    def alternatives(self, schema: dict, word: str, where: str) -> int:
+        options = schema[word]
+        rest = {k: v for k, v in schema.items() if k not in ANNOTATIONS | {word, "$defs", "definitions"}}
+        if not isinstance(options, list) or not options or rest:
+            raise ValueError(f"{where}.{word}: a non-empty list of schemas, alone, is supported")
+        return self.add(Node("any_of", options=tuple(
+            self.compile(option, f"{where}.{word}[{i}]") for i, option in enumerate(options))))
+
+    def literal(self, schema: dict, where: str) -> int:
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"{where}.enum: a non-empty list of values")
+        types = schema.get("type")
+        if types is not None:
+            types = types if isinstance(types, list) else [types]
+            values = [v for v in values if any(_is_type(v, t) for t in types)]
+            if not values:
+                raise ValueError(f"{where}: no value of its enum or const has its type {types}")
+        texts = tuple(dict.fromkeys(json.dumps(v, ensure_ascii=False, separators=(",", ":")) for v in values))
+        return self.add(Node("literal", texts=texts))
+
+    def typed(self, schema: dict, kind, where: str) -> int:
+        if kind not in TYPES:
+            raise ValueError(f"{where}.type: {kind!r} is not a JSON Schema type ({', '.join(TYPES)})")
+        if kind == "boolean":
+            return self.add(Node("literal", texts=("true", "false")))
+        if kind == "null":
+            return self.add(Node("literal", texts=("null",)))
+        if kind in ("number", "integer"):
+            return self.add(Node(kind))
+        if kind == "string":
+            low, high = _bounds(schema, "minLength", "maxLength", where)
+            return self.add(Node("string", min_length=low, max_length=high))
+        if kind == "array":
+            low, high = _bounds(schema, "minItems", "maxItems", where)
+            items = schema.get("items", True)
+            if items is False:
+                if low:
+                    raise ValueError(f"{where}: items false with minItems {low} admits no value")
+                return self.add(Node("array", items=None, max_items=0))
+            index = self.add(Node("array"))  # reserved before its items, which may refer back
+            self.program.nodes[index] = Node("array", items=self.compile(items, f"{where}.items"),
+                                             min_items=low, max_items=high)
+            return index
+        return self.object(schema, where)
+
+    def object(self, schema: dict, where: str) -> int:
+        properties = schema.get("properties") or {}
+        required = schema.get("required") or []
+        extra = schema.get("additionalProperties", True)
+        if not isinstance(properties, dict) or not isinstance(required, list):
+            raise ValueError(f"{where}: properties is an object and required a list")
+        names = list(properties)
+        for name in required:
+            if name not in properties:
+                if extra is False:
+                    raise ValueError(f"{where}.required: {name!r} is required but additionalProperties is false "
+                                     "and it is not among the properties")
+                names.append(name)
+        index = self.add(Node("object"))
+        if not names:
+            value = None if extra is False else self.compile(extra, f"{where}.additionalProperties")
+            self.program.nodes[index] = Node("object", extra=value)
+            return index
+        values = tuple(self.compile(properties[n], f"{where}.properties.{n}") if n in properties
+                       else self.compile(extra, f"{where}.additionalProperties") for n in names)
+        self.program.nodes[index] = Node(
+            "object", keys=tuple(json.dumps(n, ensure_ascii=False) for n in names), values=values,
+            required=tuple(n in required for n in names))
+        return index
+
+
+def _bounds(schema: dict, low_word: str, high_word: str, where: str) -> tuple[int, int | None]:
+    low, high = schema.get(low_word, 0), schema.get(high_word)
+    for word, value in ((low_word, low), (high_word, high)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{where}.{word}: a count, not {value!r}")
+    if high is not None and high < low:
+        raise ValueError(f"{where}: {high_word} {high} is below {low_word} {low}")
+    return low, high
+
+
+def _is_type(value, kind: str) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, _PYTHON_TYPES.get(kind, ()))
+
+
+def compile_schema(schema) -> Program:
+    """The schema compiled; ValueError naming the keyword and its place when it cannot be decoded under.
+    The answer's root must be an object or an array, whose end the grammar can see (as OpenAI's)."""
+    compiler = _Compiler(schema if isinstance(schema, dict) else {})
+    program = compiler.program
+    program.root = compiler.compile(schema, "schema")
+    roots, seen = [program.root], set()
+    while roots:  # the root's alternatives, through any_of and $ref
+        node = program.nodes[roots.pop()]
+        if node.kind == "any_of":
+            roots.extend(o for o in node.options if o not in seen)
+            seen.update(node.options)
+        elif node.kind not in ("object", "array"):
+            raise ValueError(f"schema: the answer must be an object or an array (wrap a {node.kind} in an "
+                             "object's property)")
+    return program
+
+
+@lru_cache(maxsize=64)
+def compiled(schema_text: str) -> Program:
+    """`compile_schema` of a schema given as JSON text, kept for the requests that send it again."""
+    return compile_schema(json.loads(schema_text))
+
+
+def schema_key(schema) -> str:
+    """The text a schema is kept under: its JSON, keys in their order (the order of properties counts)."""
+    return json.dumps(schema, ensure_ascii=False)

@@ -1,0 +1,235 @@
+"""Structured outputs (OpenAI's `response_format: {"type": "json_schema"}`): a decoding constraint
+under which the answer is one JSON value that validates against a schema, and ends where it closes.
+
+`SchemaGrammar` is a character-level machine over the nodes `engine.json_schema` compiles. A state
+is a frozenset of branches, since `anyOf` (and a type list, and any JSON value) leaves more than one
+reading of the same text open until a character tells them apart. A branch is a stack of frames, the
+open containers (object, array) and on top the value being written, with the run of whitespace
+since the last token. A container's frame already says what comes after the value on top of it, so
+a finished value is simply popped. Counts (array items, string characters) are kept only where a
+bound needs them, so that unbounded strings and arrays keep few states, and a state's token mask is
+computed once (masks are cached per state, as in JSON mode, whose token lift this reuses).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from engine.constraints import DONE, CharGrammar
+from engine.json_constraint import DIGITS, ESCAPES, HEX, WHITESPACE, GrammarConstraint
+from engine.json_schema import Program, compiled, schema_key
+
+_NUMBER_NEXT = {"minus": None, "int": "int", "dot": "frac", "frac": "frac", "exp": "expdigit",
+                "expsign": "expdigit", "expdigit": "expdigit"}
+_NUMBER_ENDS = ("zero", "int", "frac", "expdigit")
+
+
+class SchemaGrammar(CharGrammar):
+    """The answers a compiled schema admits, character by character. Hashed by identity: one per
+    schema (see `schema_grammar`), so that requests sending the same schema share its masks."""
+
+    def __init__(self, program: Program, max_depth: int = 32, max_whitespace: int = 24):
+        self.nodes = program.nodes
+        self.max_depth = max_depth
+        self.max_whitespace = max_whitespace
+        self.start = frozenset((frames, 0) for frames in self._pushes((), program.root))
+
+    def step(self, state, ch: str):
+        if state == DONE:
+            return None
+        out = set()
+        for frames, ws in state:
+            out.update(self._step(frames, ws, ch))
+        if not out:
+            return None
+        if any(not frames for frames, _ in out):  # the root value closed (every reading closes it alike)
+            return DONE
+        return frozenset(out)
+
+    def string_budget(self, state) -> float | None:
+        """Inside a string's text in every branch: the most characters a token free of quotes,
+        backslashes and control characters may add (such tokens are then allowed wholesale); else None."""
+        if state == DONE:
+            return None
+        budget = None
+        for frames, _ in state:
+            top = frames[-1]
+            if top[0] != "s" or top[3] != 0:
+                return None
+            high = self.nodes[top[1]].max_length if top[1] is not None else None
+            left = math.inf if high is None else high - top[2]
+            budget = left if budget is None else max(budget, left)
+        return budget
+
+    def literal_texts(self) -> list[str]:
+        """The texts written exactly as the schema gives them: keys and enum values."""
+        return [t for node in self.nodes for t in node.keys + node.texts]
+
+    # ---- one branch -----------------------------------------------------------------------------
+    def _pushes(self, below: tuple, index: int) -> list[tuple]:
+        """The branches that start a value of node `index` above the frames `below`: one per
+        alternative, through any_of (and $ref, a one-option any_of)."""
+        leaves, stack, seen = [], [index], set()
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            node = self.nodes[i]
+            if node.kind == "any_of":
+                stack.extend(reversed(node.options))
+            else:
+                leaves.append(i)
+        return [below + (("v", i),) for i in leaves]
+
+    def _step(self, frames: tuple, ws: int, ch: str) -> list[tuple]:
+        top, below = frames[-1], frames[:-1]
+        kind = top[0]
+        if kind == "s":
+            return self._string(below, top, ch)
+        if kind == "l":
+            return self._literal(below, top, ch)
+        if kind == "n":
+            return self._number(below, top, ch)
+        if kind == "o" and top[2] == "keytext":
+            return self._object(below, top, ch)
+        if ch in WHITESPACE:  # before a value, and around a container's punctuation
+            return [(frames, ws + 1)] if ws < self.max_whitespace else []
+        if kind == "v":
+            return self._begin(below, top[1], ch)
+        if kind == "o":
+            return self._object(below, top, ch)
+        return self._array(below, top, ch)
+
+    @staticmethod
+    def _done(below: tuple) -> list[tuple]:
+        return [(below, 0)]  # the container below already awaits what follows its value
+
+    def _then(self, below: tuple, ch: str) -> list[tuple]:
+        """A value that may end here ended before `ch`, which the container below reads."""
+        return self._step(below, 0, ch) if below else []
+
+    def _begin(self, below: tuple, index: int, ch: str) -> list[tuple]:
+        node = self.nodes[index]
+        kind = node.kind
+        if kind in ("object", "array"):
+            if ch != ("{" if kind == "object" else "[") or len(below) >= self.max_depth:
+                return []
+            return [(below + (("o", index, "first", 0, "") if kind == "object" else ("a", index, "first", 0),), 0)]
+        if kind == "string":
+            return [(below + (("s", index, 0, 0),), 0)] if ch == '"' else []
+        if kind == "literal":
+            return self._literal(below, ("l", index, ""), ch)
+        if ch == "-":
+            return [(below + (("n", index, "minus"),), 0)]
+        if ch in DIGITS:
+            return [(below + (("n", index, "zero" if ch == "0" else "int"),), 0)]
+        return []
+
+    def _string(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
+        _, index, count, escape = top
+        low, high = (0, None) if index is None else (self.nodes[index].min_length, self.nodes[index].max_length)
+        if escape == -1:  # after a backslash
+            if ch == "u":
+                return [(below + (("s", index, count, 4),), 0)]
+            return [(below + (("s", index, count, 0),), 0)] if ch in ESCAPES else []
+        if escape > 0:  # hex digits of \uXXXX still to come
+            return [(below + (("s", index, count, escape - 1),), 0)] if ch in HEX else []
+        if ch == '"':
+            return self._done(below) if count >= low else []
+        if ord(ch) < 0x20 or (high is not None and count >= high):
+            return []
+        count = count + 1 if high is not None else min(count + 1, low)  # counted only as far as a bound needs
+        return [(below + (("s", index, count, -1 if ch == "\\" else 0),), 0)]
+
+    def _literal(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
+        _, index, written = top
+        texts = self.nodes[index].texts
+        text = written + ch
+        out = []
+        longer = [t for t in texts if t.startswith(text)]
+        if longer:
+            if longer == [text]:  # whole, and nothing longer: the value is done
+                out += self._done(below)
+            else:
+                out.append((below + (("l", index, text),), 0))
+        if written in texts:  # a whole value (a number a longer one extends) that may end before ch
+            out += self._then(below, ch)
+        return out
+
+    def _number(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
+        _, index, phase = top
+        integer = self.nodes[index].kind == "integer"
+        nxt = None
+        if ch in DIGITS:
+            nxt = ("zero" if ch == "0" else "int") if phase == "minus" else _NUMBER_NEXT.get(phase)
+        elif ch == "." and phase in ("zero", "int") and not integer:
+            nxt = "dot"
+        elif ch in "eE" and phase in ("zero", "int", "frac") and not integer:
+            nxt = "exp"
+        elif ch in "+-" and phase == "exp":
+            nxt = "expsign"
+        if nxt is not None:
+            return [(below + (("n", index, nxt),), 0)]
+        return self._then(below, ch) if phase in _NUMBER_ENDS else []
+
+    def _object(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
+        _, index, phase, first, written = top
+        node = self.nodes[index]
+        if phase == "keytext":  # a listed key, written whole
+            text = written + ch
+            matches = [j for j in node.key_choices(first) if node.keys[j].startswith(text)]
+            whole = [j for j in matches if node.keys[j] == text]
+            if whole:
+                return [(below + (("o", index, "colon", whole[0], ""),), 0)]
+            return [(below + (("o", index, "keytext", first, text),), 0)] if matches else []
+        if phase in ("first", "key") and ch == '"':
+            if node.keys:
+                return [(below + (("o", index, "keytext", first, '"'),), 0)] if first < len(node.keys) else []
+            if node.extra is None:
+                return []
+            return [(below + (("o", index, "colon", -1, ""), ("s", None, 0, 0)), 0)]
+        if phase in ("first", "after") and ch == "}":
+            return self._done(below) if node.may_close(first) else []
+        if phase == "after" and ch == ",":
+            more = first < len(node.keys) if node.keys else node.extra is not None
+            return [(below + (("o", index, "key", first, ""),), 0)] if more else []
+        if phase == "colon" and ch == ":":
+            value, after = (node.extra, 0) if first < 0 else (node.values[first], first + 1)
+            return [(frames, 0) for frames in self._pushes(below + (("o", index, "after", after, ""),), value)]
+        return []
+
+    def _array(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
+        _, index, phase, count = top
+        node = self.nodes[index]
+        if ch == "]" and phase in ("first", "after"):
+            return self._done(below) if count >= node.min_items else []
+        if phase == "after":
+            if ch != "," or (node.max_items is not None and count >= node.max_items):
+                return []
+            return [(below + (("a", index, "next", count),), 0)]
+        if node.items is None or (node.max_items is not None and count >= node.max_items):
+            return []
+        counted = count + 1 if node.max_items is not None else min(count + 1, node.min_items)
+        out = []
+        for frames in self._pushes(below + (("a", index, "after", counted),), node.items):
+            out += self._step(frames, 0, ch)  # ch is the item's first character
+        return out
+
+
+@lru_cache(maxsize=64)
+def schema_grammar(schema_text: str) -> SchemaGrammar:
+    """One grammar per schema text, so its masks are shared by every request that sends it."""
+    return SchemaGrammar(compiled(schema_text))
+
+
+class JsonSchemaConstraint(GrammarConstraint):
+    """Token-level `SchemaGrammar` for one sequence (registered in the engine as "json_schema", its
+    argument the schema). ValueError when the schema is not supported (naming the keyword), or when
+    the tokenizer cannot spell JSON or one of the schema's keys and enum values."""
+
+    def __init__(self, tokenizer, schema):
+        super().__init__(tokenizer, schema_grammar(schema_key(schema)))
+        unspellable = [t for t in self.grammar.literal_texts() if not self._vocab.spells(t)]
+        if unspellable:
+            raise ValueError(f"the tokenizer cannot spell {unspellable[0]!r}, which the schema asks for")

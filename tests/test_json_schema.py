@@ -1,0 +1,224 @@
+"""Structured outputs: JSON Schema compiled to a character grammar, its answers checked by the
+`jsonschema` package (the reference validator), its exact lift to tokens, and decoding under it in
+the engine and through the API."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import jsonschema
+import pytest
+
+from engine.constraints import DONE, make_constraint
+from engine.json_schema import compile_schema
+from engine.json_schema_constraint import JsonSchemaConstraint, SchemaGrammar
+from engine.types import FinishReason, GenerationRequest, SamplingParams
+from tests.test_json_constraint import EOS, PIECES, json_engine, json_tokenizer  # noqa: F401 (fixtures)
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 5},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", 1, 12]}, "maxItems": 2},
+        "ok": {"type": ["boolean", "null"]},
+        "city": {"type": "string"},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+TREE = {
+    "$defs": {"node": {"type": "object", "properties": {"v": {"type": "number"}, "kids": {
+        "type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["v", "kids"]}},
+    "$ref": "#/$defs/node",
+}
+PET = {  # a tagged union, as pydantic writes one
+    "type": "object",
+    "properties": {"pet": {"oneOf": [
+        {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+         "required": ["kind", "lives"]},
+        {"type": "object", "properties": {"kind": {"const": "dog"}, "bark": {"type": "string", "maxLength": 3}},
+         "required": ["kind", "bark"]},
+    ]}},
+    "required": ["pet"],
+}
+LIST = {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "minItems": 1, "maxItems": 3}
+FREE = {"type": "object"}
+SCHEMAS = {"person": PERSON, "tree": TREE, "pet": PET, "list": LIST, "free": FREE}
+
+
+def _grammar(schema) -> SchemaGrammar:
+    return SchemaGrammar(compile_schema(schema), max_depth=6)
+
+
+@pytest.mark.parametrize("schema, text, valid", [
+    (PERSON, '{"name":"Bob","age":3}', True),
+    (PERSON, '{"name": "Bob", "age": -30, "tags": ["a", 12], "ok": null, "city": "x\\u00e9"}', True),
+    (PERSON, '{"name":"Bob","age":3,"city":"Paris"}', True),  # optional ones skipped
+    (PERSON, '{"name":"Bobbyy","age":3}', False),  # maxLength
+    (PERSON, '{"name":"","age":3}', False),  # minLength
+    (PERSON, '{"name":"x","age":3.5}', False),  # integer
+    (PERSON, '{"name":"x","age":3,"tags":[1,12,"a"]}', False),  # maxItems
+    (PERSON, '{"name":"x","age":3,"tags":[123]}', False),  # enum
+    (PERSON, '{"name":"x","age":3,"extra":1}', False),  # additionalProperties false
+    (PERSON, '{"name":"x"}', False),  # required
+    (TREE, '{"v":1,"kids":[{"v":2.5e-1,"kids":[]}]}', True),
+    (TREE, '{"v":1,"kids":[{"v":2}]}', False),
+    (PET, '{"pet":{"kind":"cat","lives":9}}', True),
+    (PET, '{"pet":{"kind":"dog","bark":"wof"}}', True),
+    (PET, '{"pet":{"kind":"dog","lives":9}}', False),
+    (LIST, '[{"a":1,"b":-2},{}]', True),
+    (LIST, '[]', False),
+    (LIST, '[{"a":"x"}]', False),
+    (FREE, '{"a":[1,{"b":null}],"c":"x","d":true}', True),
+    (FREE, '{"a":}', False),
+])
+def test_the_grammar_agrees_with_the_reference_validator(schema, text, valid):
+    assert _grammar(schema).accepts(text) is valid
+    is_valid = jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) if _parses(text) else False
+    assert is_valid is valid
+
+
+def test_properties_come_in_the_schemas_order():
+    """A subset of what the schema allows, as OpenAI writes it: valid out of order, not admitted."""
+    text = '{"age":3,"name":"x"}'
+    assert jsonschema.Draft202012Validator(PERSON).is_valid(json.loads(text))
+    assert not _grammar(PERSON).accepts(text)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_every_answer_the_grammar_completes_validates(name):
+    """Random walks through the grammar, a character at a time among those it admits: every text
+    that reaches the end parses and validates; none stops where no character may follow."""
+    schema, grammar = SCHEMAS[name], _grammar(SCHEMAS[name])
+    alphabet = sorted(set('{}[]:,"\\ -.e+0123456789abuxtrfalsn') | set("".join(grammar.literal_texts())))
+    rng, completed = random.Random(11), 0
+    for _ in range(150):
+        state, text = grammar.start, ""
+        while state != DONE and len(text) < 400:
+            nexts = [(ch, grammar.step(state, ch)) for ch in alphabet]
+            nexts = [(ch, s) for ch, s in nexts if s is not None]
+            assert nexts, f"dead end after {text!r}"
+            closing = [n for n in nexts if n[0] in '"}]'] if len(text) > 30 else []
+            ch, state = rng.choice(closing if closing and rng.random() < 0.7 else nexts)
+            text += ch
+        if state == DONE:
+            completed += 1
+            jsonschema.validate(json.loads(text), schema)
+    assert completed > 50
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "string"}, "must be an object or an array"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "'pattern'"),
+    ({"type": "object", "properties": {"a": {"type": "string", "format": "date"}}}, "'format'"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}, "'minimum'"),
+    ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "properties.a.\\$ref"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}, "names no definition"),
+    ({"type": "object", "required": ["z"], "additionalProperties": False}, "'z' is required"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 2}}}, "below"),
+    ({"type": "object", "properties": {"a": {"type": "text"}}}, "not a JSON Schema type"),
+    ({"type": "object", "properties": {"a": False}}, "admits no value"),
+    ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"maxLength": 2}]}}}, "allOf"),
+])
+def test_what_the_grammar_cannot_honour_is_refused_naming_it(schema, keyword):
+    with pytest.raises(ValueError, match=keyword):
+        compile_schema(schema)
+
+
+def test_the_token_mask_is_exactly_the_tokens_the_grammar_accepts_whole(json_tokenizer):  # noqa: F811
+    strings = [json_tokenizer.decode([i]) for i in range(len(json_tokenizer))]
+    rng = random.Random(5)
+    for schema in (PERSON, FREE):
+        for _ in range(5):
+            constraint = JsonSchemaConstraint(json_tokenizer, schema)
+            grammar = constraint.grammar
+            for _ in range(40):
+                if constraint.is_complete:
+                    break
+                mask = constraint.allowed()
+                expected = [i > EOS and s != "" and "\ufffd" not in s and grammar.run(constraint.state, s) is not None
+                            for i, s in enumerate(strings)]
+                assert mask.tolist() == expected
+                assert mask.any()
+                constraint.advance(rng.choice(mask.nonzero()[:, 0].tolist()))
+
+
+def test_a_key_the_tokenizer_cannot_spell_is_refused(json_tokenizer):  # noqa: F811
+    schema = {"type": "object", "properties": {"\u00fc\u00f1": {"type": "integer"}}}  # neither is a piece
+    with pytest.raises(ValueError, match="cannot spell"):
+        make_constraint("json_schema", json_tokenizer, arg=schema)
+
+
+SMALL = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}, "n": {"type": "integer"},
+                                          "ok": {"type": "boolean"}}, "required": ["name", "n", "ok"],
+         "additionalProperties": False}
+
+
+def _decode(engine, seed: int, max_tokens: int = 40, resume_ids=()):
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, constraint="json_schema",
+                            constraint_arg=SMALL)
+    [result] = engine.generate([GenerationRequest(prompt_ids=[1, 10, 11], resume_ids=list(resume_ids),
+                                                  params=params)])
+    return result
+
+
+def test_answers_decoded_under_a_schema_validate(json_engine):  # noqa: F811
+    engine, grammar, finished = json_engine(max_batch_size=4), _grammar(SMALL), 0
+    for seed in range(10):
+        result = _decode(engine, seed)
+        assert grammar.run(grammar.start, result.text) is not None, result.text
+        if result.finish_reason == FinishReason.STOP:
+            jsonschema.validate(json.loads(result.text), SMALL)
+            finished += 1
+    assert finished >= 5
+
+
+def test_a_schema_answer_cut_and_resumed_is_the_answer_never_cut(json_engine):  # noqa: F811
+    engine = json_engine()
+    for seed in range(3):
+        whole = _decode(engine, seed=seed, max_tokens=30)
+        resumed = _decode(engine, seed=seed, max_tokens=30, resume_ids=whole.token_ids[: len(whole.token_ids) // 2])
+        assert resumed.token_ids == whole.token_ids
+
+
+def test_structured_outputs_on_the_api(json_engine):  # noqa: F811
+    from deployments.completion_service import ApiLimits, CompletionService
+    from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, RequestError
+    from engine.async_engine import AsyncEngine
+
+    served = AsyncEngine(json_engine(max_batch_size=4))
+    schema_format = {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL, "strict": True}}
+    try:
+        service = CompletionService(served, ApiLimits(default_max_tokens=40))
+        answers = [asyncio.run(service.complete(CompletionRequest(prompt=[[1, 10, 11]], temperature=1.0, seed=seed,
+                                                                  **fields)))
+                   for seed in range(4) for fields in ({"response_format": schema_format}, {"guided_json": SMALL},
+                                                       {"guided_json": json.dumps(SMALL)})]
+        with pytest.raises(RequestError) as both:
+            asyncio.run(service.complete(CompletionRequest(prompt=[[1, 10, 11]], guided_json=SMALL,
+                                                           response_format={"type": "json_object"})))
+        unspellable = {"type": "object", "properties": {"\u00fc\u00f1": {"type": "integer"}}}
+        with pytest.raises(RequestError) as spelling:
+            asyncio.run(service.complete(CompletionRequest(prompt=[[1, 10, 11]], guided_json=unspellable)))
+    finally:
+        served.shutdown()
+    finished = [json.loads(a.choices[0].text) for a in answers if a.choices[0].finish_reason == "stop"]
+    assert len(finished) >= 6
+    for answer in finished:
+        jsonschema.validate(answer, SMALL)
+    assert both.value.param == "guided_json" and spelling.value.param == "guided_json"
+    with pytest.raises(ValueError, match="'pattern' is not supported"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {"a": {"type": "string", "pattern": "^a"}}}}})
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
