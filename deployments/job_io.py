@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deployments.openai_schema import ChatMessage
+from deployments.openai_schema import ChatCompletionRequest, ChatMessage
 from graph.orchestrator import RequestMode
 
 ANSWERS_FILE = "answers.parquet"
@@ -47,7 +47,9 @@ class JobInputError(ValueError):
 
 class JobRow(BaseModel):
     """One input row as the job checks it. Types are strict (`"max_tokens": "10"` is a bad row, not
-    a 10); other columns are ignored. The server checks the rest (roles, lengths) per request."""
+    a 10). The chat API's other fields (response_format, stop, seed, top_p, ...) go to the server as
+    given, which checks them with the rest (roles, lengths) per request; columns that are no field of
+    the API are ignored."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -87,7 +89,31 @@ def _as_text(value) -> str | None:
     return json.dumps(value, default=str)
 
 
+# a row has one answer column, with no log probabilities or plan: fields that would ask for more are
+# refused unless neutral, rather than sent and their answer dropped
+_ONE_ANSWER = {"n": (1,), "stream": (False,), "logprobs": (False,), "top_logprobs": (0,), "return_plan": (False,)}
+_PASSED_ON = set(ChatCompletionRequest.model_fields) - set(JobRow.model_fields) - {"messages"}
+BATCH_URL = "/v1/chat/completions"
+
+
+def _from_batch_line(raw: dict) -> tuple[dict, str | None]:
+    """A line of OpenAI's batch input (vLLM's run_batch reads the same: {"custom_id", "method", "url",
+    "body"}) as a plain row, the custom id as its id; with what is wrong with it, if anything."""
+    if "body" not in raw and "custom_id" not in raw:
+        return raw, None
+    body = raw.get("body")
+    row = {**body, "id": raw.get("custom_id")} if isinstance(body, dict) else {"id": raw.get("custom_id")}
+    if not isinstance(body, dict):
+        return row, "body: a JSON object, the request, is needed"
+    if raw.get("url", BATCH_URL) != BATCH_URL:
+        return row, f"url: only {BATCH_URL} is served by a job, not {raw.get('url')!r}"
+    if raw.get("method", "POST") != "POST":
+        return row, f"method: POST, not {raw.get('method')!r}"
+    return row, None
+
+
 def _check(raw: dict, number: int, where: str) -> InputRow:
+    raw, batch_problem = _from_batch_line(raw)
     content = {k: v for k, v in raw.items() if k != "id"}
     digest = hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()
     row = InputRow(id=f"row{number}-{digest[:10]}", row=number, prompt=_as_text(raw.get("prompt")),
@@ -102,12 +128,21 @@ def _check(raw: dict, number: int, where: str) -> InputRow:
         return row
     if checked.id is not None:
         row.id = str(checked.id)
+    if batch_problem:
+        row.error = f"{where}: {batch_problem}"
+        return row
     if (checked.prompt is None) == (checked.messages is None):
         row.error = f"{where}: {'give prompt or messages, not both' if checked.prompt else 'no prompt or messages'}"
         return row
+    more = [k for k, neutral in _ONE_ANSWER.items() if raw.get(k) not in (None, *neutral)]
+    if more:
+        row.error = (f"{where}: {more[0]}: a job row gets one answer, written without log probabilities, plan "
+                     f"or streaming; leave {more[0]} out")
+        return row
     messages = [{"role": "user", "content": checked.prompt}] if checked.prompt is not None else raw["messages"]
     params = checked.model_dump(include={"max_tokens", "temperature", "mode"}, exclude_none=True)
-    row.request = {"messages": messages, **params}
+    passed_on = {k: v for k, v in raw.items() if k in _PASSED_ON and v is not None}  # a Parquet null: not given
+    row.request = {"messages": messages, **passed_on, **params}
     return row
 
 

@@ -14,6 +14,7 @@ import tempfile
 import time
 
 import httpx
+import jsonschema
 import pyarrow.parquet as pq
 import pytest
 
@@ -24,10 +25,16 @@ BIN = os.path.dirname(sys.executable)
 PORT_OPTIONS = ["--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
                 "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port",
                 "--node-manager-port", "--object-manager-port"]
+CAPITAL = {"type": "object", "properties": {"country": {"type": "string", "maxLength": 30},
+                                          "capital": {"type": "string", "maxLength": 30}},
+           "required": ["country", "capital"], "additionalProperties": False}
 ROWS = [
     {"id": "france", "prompt": "What is the capital of France?"},
     {"messages": [{"role": "user", "content": "Say hello in French."}], "max_tokens": 6},
     {"id": "empty"},
+    {"custom_id": "capital-json", "method": "POST", "url": "/v1/chat/completions", "body": {  # OpenAI's batch line
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer in JSON."}], "max_tokens": 48,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "capital", "schema": CAPITAL}}}},
 ]
 
 
@@ -104,12 +111,14 @@ def cluster():
 
 def _check_answers(output: str) -> None:
     rows = pq.read_table(os.path.join(output, "answers.parquet")).to_pylist()
-    assert [r["row"] for r in rows] == [1, 2, 3]
-    france, hello, empty = rows
+    assert [r["row"] for r in rows] == [1, 2, 3, 4]
+    france, hello, empty, structured = rows
     assert france["id"] == "france" and "Paris" in france["answer"] and france["error"] is None
     assert france["completion_tokens"] <= 8 and france["mode"] == "ar" and france["latency_s"] > 0
     assert hello["answer"] and hello["completion_tokens"] <= 6 and hello["id"].startswith("row2-")
     assert empty["answer"] is None and empty["error"] == "line 3: no prompt or messages"
+    assert structured["id"] == "capital-json" and structured["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(structured["answer"]), CAPITAL)
 
 
 def test_ray_job_submit_and_plato_job_submit(cluster, tmp_path):
@@ -122,7 +131,7 @@ def test_ray_job_submit_and_plato_job_submit(cluster, tmp_path):
                            "python", "-m", "deployments.jobs", "--input", str(input_path), "--output", out1,
                            "--base-url", cluster["base_url"], "--progress-s", "0"], **run)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "3/3 rows (100%)" in done.stdout and "succeeded" in done.stdout
+    assert "4/4 rows (100%)" in done.stdout and "succeeded" in done.stdout
     _check_answers(out1)
 
     out2 = str(tmp_path / "out2")

@@ -186,6 +186,48 @@ def test_parquet_rows_and_a_missing_input(tmp_path):
         read_rows(str(tmp_path / "missing.jsonl"))
 
 
+def test_the_apis_other_fields_go_to_the_server_and_what_one_answer_cannot_hold_is_a_bad_row(tmp_path):
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    path = write_jsonl(tmp_path / "in.jsonl", [
+        {"prompt": "a", "response_format": schema, "stop": ["."], "seed": 3, "top_p": 0.5, "category": "kept out"},
+        {"prompt": "b", "n": 2},
+        {"prompt": "c", "stream": True},
+        {"prompt": "d", "logprobs": True},
+        {"prompt": "e", "n": 1, "stream": False, "logprobs": False},
+    ])
+    rows = read_rows(path)
+    assert rows[0].request == {"messages": [{"role": "user", "content": "a"}], "response_format": schema,
+                               "stop": ["."], "seed": 3, "top_p": 0.5}
+    assert [r.error for r in rows[1:4]] == [
+        f"line {i}: {field}: a job row gets one answer, written without log probabilities, plan or streaming; "
+        f"leave {field} out" for i, field in ((2, "n"), (3, "stream"), (4, "logprobs"))]
+    assert rows[4].error is None and rows[4].request["n"] == 1
+    parquet = str(tmp_path / "in.parquet")
+    pq.write_table(pa.table({"prompt": ["x", "y"], "stop": [None, ["!"]]}), parquet)
+    assert [r.request for r in read_rows(parquet)] == [
+        {"messages": [{"role": "user", "content": "x"}]}, {"messages": [{"role": "user", "content": "y"}], "stop": ["!"]}]
+
+
+def test_openai_batch_input_lines_are_rows(tmp_path):
+    """The lines OpenAI's Batch API and vLLM's run_batch read: the custom id is the row's id, the body its request."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0.2}
+    path = write_jsonl(tmp_path / "batch.jsonl", [
+        {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions", "body": body},
+        {"custom_id": "req-2", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "req-3", "method": "GET", "url": "/v1/chat/completions", "body": body},
+        {"custom_id": "req-4", "body": "hi"},
+        {"custom_id": "req-5", "body": {**body, "max_tokens": "8"}},
+    ])
+    rows = read_rows(path)
+    assert rows[0].id == "req-1" and rows[0].error is None and json.loads(rows[0].messages) == body["messages"]
+    assert rows[0].request == {"messages": body["messages"], "model": "m", "max_tokens": 8, "temperature": 0.2}
+    assert [r.id for r in rows] == ["req-1", "req-2", "req-3", "req-4", "req-5"]
+    assert rows[1].error == "line 2: url: only /v1/chat/completions is served by a job, not '/v1/embeddings'"
+    assert rows[2].error == "line 3: method: POST, not 'GET'"
+    assert rows[3].error == "line 4: body: a JSON object, the request, is needed"
+    assert rows[4].error.startswith("line 5: max_tokens")
+
+
 def test_job_answers_every_row_in_input_order_with_errors_in_their_column(fake, tmp_path, capsys):
     path = write_jsonl(tmp_path / "in.jsonl", [
         {"id": "a", "prompt": "one two"},
