@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.admission import RETRY_AFTER_S
@@ -30,7 +31,9 @@ from deployments.openai_schema import (
 )
 from deployments.openai_logprobs import chat_logprobs
 from deployments.text_completions import Echo, StreamedText, scored_only, text_choice
+from deployments.tool_calls import template_messages, tool_calls
 from engine.async_engine import AsyncEngine
+from engine.base import chat_ids, template_renders_tools
 from engine.constraints import make_constraint
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
 from graph.orchestrator import Answer, Orchestrator
@@ -62,6 +65,15 @@ def choice_requests(request: GenerationRequest, n: int) -> list[GenerationReques
         "shared_prefix_len": len(request.prompt_ids) - 1,
         "params": request.params.model_copy(update={"seed": None if seed is None else seed + i}),
     }) for i in range(n)]
+
+
+def _message(request: ChatCompletionRequest, result: Result) -> AssistantMessage:
+    """The assistant's message: the answer's text, or the tool calls it makes (its text, should it be
+    cut before it is whole)."""
+    if not request.calls_tools:
+        return AssistantMessage(content=result.text)
+    made = tool_calls(result.text, request.tool_choice)
+    return AssistantMessage(content=None, tool_calls=made) if made is not None else AssistantMessage(content=result.text)
 
 
 async def _all(calls) -> list:
@@ -126,14 +138,23 @@ class CompletionService:
         self.max_model_len = engine.engine.max_model_len
         self.vocabulary = len(engine.engine.tokenizer)  # token ids a request may name: 0 to this, less one
         self._json_refusal: str | None = None  # why this model cannot do JSON mode, once asked ("" when it can)
+        self._renders_tools: bool | None = None  # whether the chat template writes tools, once asked
         self.choices_in_flight = 0  # answers this service is waiting for: the load limits.max_queued_requests bounds
 
     async def _encode(self, request: OpenAIRequest) -> tuple[list[list[int]], str]:
         """Each prompt's token ids, and the field that holds the prompts. Tokenized on the engine
         thread: the tokenizer is not shared across threads."""
         if isinstance(request, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            return [await self.engine.call(lambda engine: engine.encode_chat(messages))], "messages"
+            if self._renders_tools is None and request.tools:
+                self._renders_tools = await self.engine.call(lambda engine: template_renders_tools(engine.tokenizer))
+            messages, tools = template_messages([m.for_template() for m in request.messages], request.tools,
+                                                request.tool_choice, bool(self._renders_tools))
+            try:
+                ids = await self.engine.call(lambda engine: chat_ids(engine.tokenizer, messages, tools=tools))
+            except TemplateError as error:
+                raise RequestError("messages", f"the model's chat template cannot write this conversation: {error}"
+                                   ) from None
+            return [ids], "messages"
         encoded = []
         for prompt in request.prompts:
             if isinstance(prompt, str):
@@ -164,7 +185,12 @@ class CompletionService:
         through the batcher. The tokenizer does not change, so JSON's characters are tried once; a
         schema is tried per request (its grammar is kept per schema, so that is quick)."""
         field = "guided_json" if request.guided_json is not None else "response_format"
-        if request.guided_json is not None and (request.response_format or {}).get("type", "text") != "text":
+        formats = request.guided_json is not None, (request.response_format or {}).get("type", "text") != "text"
+        if isinstance(request, ChatCompletionRequest) and request.calls_tools:
+            if any(formats):
+                raise RequestError("tool_choice", f"the answer is tool calls; {field} asks for another format")
+            field = "tools"
+        if all(formats):
             raise RequestError("guided_json", "response_format asks for a format too; send one of the two")
         if self._json_refusal is None:
             try:
@@ -267,6 +293,12 @@ class CompletionService:
         if request.json_format is not None and self._planned(request):
             raise RequestError("guided_json" if request.guided_json is not None else "response_format", f"a planned answer (mode '{request.mode}') is assembled from its "
                                "parts as text; ask for JSON with mode 'ar'")
+        if isinstance(request, ChatCompletionRequest) and request.tools and self._planned(request):
+            raise RequestError("tools", f"a planned answer (mode '{request.mode}') is assembled from its parts as "
+                               "text; send tools with mode 'ar'")
+        if isinstance(request, ChatCompletionRequest) and request.calls_tools and request.stream and request.logprobs:
+            raise RequestError("logprobs", "a streamed answer of tool calls sends the calls whole, without token "
+                               "log probabilities; ask for them without stream")
         if request.logprobs_asked is not None and self._planned(request):
             raise RequestError("logprobs", f"a planned answer (mode '{request.mode}') has no token log probabilities; "
                                "ask for them with mode 'ar'")
@@ -305,7 +337,7 @@ class CompletionService:
             echoes = await self._echoes(request, engine_requests)
             text_choices = [text_choice(i, r, echoes[i // request.n], _finish(r)) for i, r in enumerate(results)]
             return TextCompletion(model=self.model_name, choices=text_choices, usage=_usage(results, request.n))
-        choices = [Choice(index=i, message=AssistantMessage(content=r.text), finish_reason=_finish(r),
+        choices = [Choice(index=i, message=_message(request, r), finish_reason=_finish(r),
                           logprobs=chat_logprobs(r.logprobs) if r.logprobs is not None else None)
                    for i, r in enumerate(results)]
         return ChatCompletionResponse(model=self.model_name, choices=choices, usage=_usage(results, request.n),
@@ -362,10 +394,16 @@ class CompletionService:
             for index in range(request.n):
                 yield chunk.opening(index)
         first, results = True, {}
+        calls = isinstance(request, ChatCompletionRequest) and request.calls_tools
         async for index, item in self._events(choices):
             if isinstance(item, Result):
                 results[index] = item if texts is None or texts[index].generates else scored_only(item)
+                if calls:  # the calls are read from the whole answer, then sent whole
+                    message = _message(request, item)
+                    yield chunk.calls(message.tool_calls, message.content, index)
                 yield chunk.piece("", _finish(results[index]), index)
+                continue
+            if calls:
                 continue
             if texts is not None:
                 text, logprobs = texts[index].piece(item)

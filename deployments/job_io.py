@@ -134,6 +134,9 @@ def _check(raw: dict, number: int, where: str) -> InputRow:
     if (checked.prompt is None) == (checked.messages is None):
         row.error = f"{where}: {'give prompt or messages, not both' if checked.prompt else 'no prompt or messages'}"
         return row
+    if raw.get("tool_choice") not in (None, "none"):
+        row.error = f"{where}: tool_choice: a job row's answer is text, not tool calls; leave tool_choice out or 'none'"
+        return row
     more = [k for k, neutral in _ONE_ANSWER.items() if raw.get(k) not in (None, *neutral)]
     if more:
         row.error = (f"{where}: {more[0]}: a job row gets one answer, written without log probabilities, plan "

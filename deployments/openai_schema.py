@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from deployments.tool_calls import NamedToolChoice, ToolSpec, calls_schema
 from engine.json_schema import compile_schema
 from graph.orchestrator import Mode, RequestMode
 
@@ -30,13 +31,33 @@ def _not_blank(text: str) -> str:
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    tool_calls: list[dict] | None = Field(None, description="An assistant message's calls, as a response gave them.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
+    content: str | list[TextPart] | None = Field(None, validate_default=True, description="The text; null only for "
+                                                 "an assistant message that calls tools.")
 
     @field_validator("content")
     @classmethod
-    def _joined(cls, value):
+    def _joined(cls, value, info):
+        if value is None:
+            if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
+                return value
+            raise ValueError("needed, except in an assistant message with tool_calls")
         return _not_blank(value if isinstance(value, str) else "".join(p.text for p in value))
+
+    def for_template(self) -> dict:
+        """The message as a chat template reads it."""
+        message = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _choice_name(choice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
 
 class StreamOptions(BaseModel):
@@ -164,10 +185,14 @@ class ChatCompletionRequest(_RequestFields):
     logprobs: bool | None = Field(None, description="Return each answer token's log probability (plain answers).")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: also the this-many most "
                                      "likely tokens at each place.")
-    tools: list | None = Field(None, description="Tool calling is not supported; must be absent, null or [].")
-    tool_choice: str | dict | None = Field(None, description="Only 'none' (no tools are served).")
+    tools: list[ToolSpec] | None = Field(None, description="Functions the model may call (deployments.tool_calls).")
+    parallel_tool_calls: bool = Field(True, description="With 'required': false allows one call only.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, validate_default=True, description="'required' or a named function: the answer is tool calls, by "
+        "constrained decoding; 'none': a plain answer. 'auto' (the default with tools) needs a tool-call parser "
+        "this server does not have: a 400, as vLLM's without --enable-auto-tool-choice.")
     functions: list | None = Field(None, description="OpenAI's older tools field; must be absent, null or [].")
-    function_call: str | dict | None = Field(None, description="Only 'none' (no functions are served).")
+    function_call: str | dict | None = Field(None, description="Only 'none' (use tools and tool_choice).")
 
     @field_validator("top_logprobs")
     @classmethod
@@ -188,19 +213,48 @@ class ChatCompletionRequest(_RequestFields):
     def prompt_logprobs_asked(self) -> int | None:
         return None  # chat has no echo
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
     def _unsupported(cls, value, info):
         if value:
-            raise ValueError(f"{info.field_name} is not supported; leave the field out")
+            raise ValueError(f"{info.field_name} is not supported; send tools instead")
         return value
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
     def _no_calls(cls, value):
         if value not in (None, "none"):
-            raise ValueError("no tools are served, so only 'none' is accepted")
+            raise ValueError("only 'none' is accepted; send tools and tool_choice instead")
         return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _served_choice(cls, value, info):
+        tools = info.data.get("tools") or []
+        if value is None:
+            value = "auto" if tools else "none"
+        if value == "none":
+            return value
+        if not tools:
+            raise ValueError(f"{_choice_name(value)} needs tools")
+        if value == "auto":
+            raise ValueError("'auto' (the default when tools are given) needs a parser of the model's own tool-call "
+                             "syntax, which this server does not have; send 'required', a named function, or 'none'")
+        if isinstance(value, NamedToolChoice) and value.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"{value.function.name!r} is not among the tools")
+        compile_schema(calls_schema(tools, value, info.data.get("parallel_tool_calls", True)))
+        return value
+
+    @property
+    def calls_tools(self) -> bool:
+        """The answer is tool calls ('required' or a named function)."""
+        return self.tool_choice not in (None, "none", "auto")
+
+    @property
+    def json_format(self) -> tuple[str, dict | None] | None:
+        if self.calls_tools:
+            return "json_schema", calls_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return super().json_format
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -320,7 +374,8 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] | None = Field(None, description="The calls the answer makes (deployments.tool_calls).")
 
 
 class Choice(BaseModel):
@@ -358,6 +413,14 @@ class ChatCompletionChunk(_Completion):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     mode: Mode = Field(description="The answer mode that produced this answer.")
+
+    def calls(self, calls: list[dict] | None, text: str | None, index: int = 0) -> dict:
+        """A choice's tool calls, whole, in OpenAI's stream shape (each call with its index in the list);
+        its text instead when the answer was cut before its calls were whole."""
+        if calls is None:
+            return self.piece(text or "", index=index)
+        delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+        return self.model_copy(update={"choices": [ChunkChoice(index=index, delta=delta)]}).model_dump()
 
     def piece(self, text: str, finish_reason: FinishReason | None = None, index: int = 0,
               logprobs: dict | None = None) -> dict:

@@ -64,8 +64,21 @@ class Engine(ABC):
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
-def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation, with the model's own chat template."""
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+             ) -> list[int]:
+    """Token ids of a conversation, with the model's own chat template (given `tools`, for a template
+    that renders them)."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        return_dict=False)
+                                        return_dict=False, tools=tools)
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """True when the model's chat template writes the `tools` it is given into the prompt."""
+    probe = [{"type": "function", "function": {"name": "probe_function_7f3a", "parameters": {"type": "object"}}}]
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=probe, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # a template that cannot take tools at all (jinja errors of any kind)
+        return False
+    return "probe_function_7f3a" in text

@@ -153,6 +153,23 @@ def test_openai_client_parses_structured_outputs_into_a_pydantic_model(server):
     assert isinstance(parsed, Capital) and parsed.capital == "Paris"
 
 
+def test_openai_client_gets_tool_calls_and_answers_from_the_tools_result(server):
+    import json
+
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                              "required": ["city"], "additionalProperties": False}}}
+    asked = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    reply = _ask_openai(server, messages=asked, tools=[weather], max_tokens=48,
+                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    follow_up = asked + [reply.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
+    answer = _ask_openai(server, messages=follow_up, tools=[weather], tool_choice="none", max_tokens=32)
+    assert "18" in answer.choices[0].message.content
+
+
 def test_scores_continuations_as_lm_evaluation_harness_asks(server):
     # local-completions' loglikelihood request: several prompts of token ids, echo, logprobs 1, max_tokens 1
     openai = pytest.importorskip("openai")

@@ -1,0 +1,164 @@
+"""Tool calling (OpenAI's `tools` and `tool_choice`), the way vLLM serves it without a model-specific
+tool-call parser: by constrained decoding.
+
+- `tool_choice: {"type": "function", "function": {"name": N}}`: the answer is N's arguments, decoded
+  under its `parameters` schema; the response carries one call to N.
+- `tool_choice: "required"`: the answer is a JSON list of calls, `[{"name": ..., "parameters": {...}}]`,
+  each one a tool of the request with arguments that validate against its schema (one call at most
+  with `parallel_tool_calls: false`); the response carries them as `tool_calls`.
+- `"none"`: a plain answer; the tools are still shown to the model.
+- `"auto"` (OpenAI's default when tools are given) needs a parser of the model's own tool-call
+  syntax, which this server does not have: a 400, as vLLM without `--enable-auto-tool-choice` answers.
+
+A model whose chat template renders `tools` gets them through it; for one whose template does not
+(the embedded SmolLM2's), the tools and the expected answer are described in a system message, and
+earlier calls and their results in the conversation are written as text it can render.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+CALLS_FORMAT = 'a JSON list of calls, each {"name": the function\'s name, "parameters": its arguments}'
+
+
+class FunctionSpec(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="The function's name, as OpenAI allows it.")
+    description: str | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}},
+                             description="A JSON Schema of the arguments (an object); none: no arguments.")
+    strict: bool | None = Field(None, description="Accepted: the arguments always follow the schema here.")
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+def calls_schema(tools: list[ToolSpec], choice: str | NamedToolChoice, parallel: bool) -> dict:
+    """The JSON Schema the answer is decoded under: the named function's parameters, or for
+    "required" a list of calls to any of the tools. Each tool's $defs move to the list's root,
+    renamed, with its references rewritten to them."""
+    if isinstance(choice, NamedToolChoice):
+        return next(t.function.parameters for t in tools if t.function.name == choice.function.name)
+    definitions, options = {}, []
+    for i, tool in enumerate(tools):
+        parameters = dict(tool.function.parameters)
+        for where in ("$defs", "definitions"):
+            for name, schema in (parameters.pop(where, None) or {}).items():
+                definitions[f"tool{i}-{name}"] = schema
+        options.append({"type": "object", "properties": {"name": {"const": tool.function.name},
+                                                         "parameters": parameters},
+                        "required": ["name", "parameters"], "additionalProperties": False})
+    schema = {"type": "array", "items": {"anyOf": options}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    if definitions:
+        schema["$defs"] = definitions
+    return _renamed_refs(schema, {i: f"tool{i}-" for i in range(len(tools))})
+
+
+def _renamed_refs(schema: dict, prefixes: dict[int, str]) -> dict:
+    """Rewrite `#/$defs/X` (and `#/definitions/X`) inside option i's parameters to `#/$defs/tool{i}-X`;
+    references inside a moved definition keep the prefix of the tool it came from."""
+    def walk(value, prefix: str):
+        if isinstance(value, dict):
+            out = {}
+            for key, item in value.items():
+                if key == "$ref" and isinstance(item, str):
+                    for old in ("#/$defs/", "#/definitions/"):
+                        if item.startswith(old):
+                            item = f"#/$defs/{prefix}{item[len(old):]}"
+                            break
+                out[key] = walk(item, prefix)
+            return out
+        if isinstance(value, list):
+            return [walk(item, prefix) for item in value]
+        return value
+
+    options = [walk(option, prefixes[i]) for i, option in enumerate(schema["items"]["anyOf"])]
+    definitions = {name: walk(body, name.split("-", 1)[0] + "-") for name, body in schema.get("$defs", {}).items()}
+    renamed = {**schema, "items": {"anyOf": options}}
+    if definitions:
+        renamed["$defs"] = definitions
+    return renamed
+
+
+def tool_calls(text: str, choice: str | NamedToolChoice) -> list[dict] | None:
+    """The calls an answer decoded under `calls_schema` makes, in OpenAI's shape (`arguments` as JSON
+    text); None when the answer is not whole (it ran out of tokens), so it cannot be read as calls."""
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(choice, NamedToolChoice):
+        return [_call(choice.function.name, answer)]
+    return [_call(call["name"], call["parameters"]) for call in answer]
+
+
+def _call(name: str, arguments) -> dict:
+    """One call; its arguments written as JSON text the same way whatever whitespace the model put in."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def tools_text(tools: list[ToolSpec], choice: str | NamedToolChoice | None) -> str:
+    """The system message that shows the tools to a model whose chat template does not."""
+    described = "\n".join(json.dumps(t.function.model_dump(exclude_none=True, exclude={"strict"}), ensure_ascii=False)
+                          for t in tools)
+    if isinstance(choice, NamedToolChoice):
+        ask = f"Call {choice.function.name}: answer with its arguments as one JSON object."
+    elif choice == "required":
+        ask = f"Call one or more of them: answer with {CALLS_FORMAT}."
+    else:
+        ask = f"To call them, answer with {CALLS_FORMAT}."
+    return f"You can call these functions:\n{described}\n{ask}"
+
+
+def template_messages(messages: list[dict], tools: list[ToolSpec] | None, choice, template_renders_tools: bool
+                      ) -> tuple[list[dict], list[dict] | None]:
+    """The conversation as the chat template gets it, and the `tools` argument for the template (None
+    when it cannot render them: they go in a system message, and earlier calls in the text)."""
+    if template_renders_tools:
+        return messages, [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            written = [{"name": c["function"]["name"], "parameters": _arguments(c["function"].get("arguments"))}
+                       for c in calls]
+            text = json.dumps(written, ensure_ascii=False)
+            message = {"role": message["role"], "content": f"{message['content']}\n{text}" if message.get("content")
+                       else text}
+        else:
+            message = {"role": message["role"], "content": message.get("content") or ""}
+        out.append(message)
+    if tools:
+        text = tools_text(tools, choice)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{text}"}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out, None
+
+
+def _arguments(arguments):
+    """A call's arguments as a value: OpenAI sends them as JSON text."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments

@@ -1,0 +1,156 @@
+"""Tool calling by constrained decoding: the schema each tool_choice decodes under, the conversation
+as a template without tool support gets it, and the calls a service answers with, whole or streamed,
+on a random model whose tokenizer spells JSON (tests.test_json_constraint's pieces)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+
+from deployments.tool_calls import NamedToolChoice, ToolSpec, calls_schema, template_messages, tool_calls
+from engine.json_schema import compile_schema
+from tests.conftest import CHATML_TEMPLATE
+from tests.test_json_constraint import PIECES, json_engine  # noqa: F401 (a fixture)
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 4}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
+    "$defs": {"place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 4}},
+                        "required": ["city"]}},
+    "type": "object", "properties": {"at": {"$ref": "#/$defs/place"}}, "required": ["at"]}}}
+TOOLS = [ToolSpec.model_validate(WEATHER), ToolSpec.model_validate(CLOCK)]
+NAMED = NamedToolChoice.model_validate({"type": "function", "function": {"name": "weather"}})
+
+
+def test_a_named_function_decodes_under_its_parameters():
+    assert calls_schema(TOOLS, NAMED, parallel=True) == WEATHER["function"]["parameters"]
+
+
+def test_required_decodes_a_list_of_calls_with_each_tools_definitions_kept_apart():
+    schema = calls_schema(TOOLS, "required", parallel=True)
+    compile_schema(schema)
+    good = [{"name": "clock", "parameters": {"at": {"city": "Oslo"}}}, {"name": "weather", "parameters": {
+        "city": "Rome", "unit": "c"}}]
+    jsonschema.validate(good, schema)
+    assert schema["$defs"] == {"tool1-place": CLOCK["function"]["parameters"]["$defs"]["place"]}
+    for bad in ([], [{"name": "clock", "parameters": {"city": "Oslo", "unit": "c"}}], [{"name": "other", "parameters": {}}]):
+        assert not jsonschema.Draft202012Validator(schema).is_valid(bad)
+    single = calls_schema(TOOLS, "required", parallel=False)
+    assert single["maxItems"] == 1 and not jsonschema.Draft202012Validator(single).is_valid(good)
+
+
+def test_calls_are_read_from_a_whole_answer_only():
+    [call] = tool_calls('\n{"city": "Rome",\n "unit": "c"}', NAMED)
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "weather", "arguments": '{"city": "Rome", "unit": "c"}'}
+    calls = tool_calls('[{"name": "clock", "parameters": {"at": {"city": "Oslo"}}}]', "required")
+    assert [c["function"] for c in calls] == [{"name": "clock", "arguments": '{"at": {"city": "Oslo"}}'}]
+    assert tool_calls('{"city": "Ro', NAMED) is None  # cut by max_tokens
+
+
+def test_a_template_without_tools_gets_them_in_a_system_message_and_earlier_calls_as_text():
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "weather", "arguments": '{"city": "Rome", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"},
+    ]
+    messages, tools = template_messages(conversation, TOOLS, "required", template_renders_tools=False)
+    assert tools is None and [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
+    assert messages[0]["content"].startswith("Be brief.\n\nYou can call these functions:\n{\"name\": \"weather\"")
+    assert "Call one or more of them" in messages[0]["content"]
+    assert json.loads(messages[2]["content"]) == [{"name": "weather", "parameters": {"city": "Rome", "unit": "c"}}]
+    assert messages[3] == {"role": "tool", "content": "18 degrees"}
+    same, tools = template_messages(conversation, TOOLS, "required", template_renders_tools=True)
+    assert same == conversation and tools[0]["function"]["name"] == "weather"
+    plain, _ = template_messages([{"role": "user", "content": "hi"}], TOOLS, NAMED, template_renders_tools=False)
+    assert plain[0]["role"] == "system" and plain[0]["content"].endswith(
+        "Call weather: answer with its arguments as one JSON object.")
+
+
+@pytest.fixture(scope="module")
+def json_tokenizer():
+    """tests.test_json_constraint's pieces, with a chat template (its json_engine builds on this one here)."""
+    from bench.random_model import piece_tokenizer
+
+    tokenizer = piece_tokenizer(PIECES)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def service(json_engine):
+    from deployments.completion_service import ApiLimits, CompletionService
+    from engine.async_engine import AsyncEngine
+
+    served = AsyncEngine(json_engine(max_batch_size=4, max_model_len=512))
+    yield CompletionService(served, ApiLimits(default_max_tokens=60))
+    served.shutdown()
+
+
+def _ask(service, **fields):
+    from deployments.openai_schema import ChatCompletionRequest
+
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "weather in rome"}], tools=[WEATHER, CLOCK],
+                                    temperature=1.0, **fields)
+    if request.stream:
+        async def chunks():
+            return [chunk async for chunk in service.stream(request)]
+        return asyncio.run(chunks())
+    return asyncio.run(service.complete(request))
+
+
+def test_a_named_choice_answers_with_a_call_whose_arguments_validate(service):
+    named = {"type": "function", "function": {"name": "weather"}}
+    made = 0
+    for seed in range(4):
+        choice = _ask(service, tool_choice=named, seed=seed).choices[0]
+        if choice.finish_reason == "stop":
+            [call] = choice.message.tool_calls
+            assert choice.message.content is None and call["function"]["name"] == "weather"
+            jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+            made += 1
+        else:  # cut by max_tokens: the text, no calls
+            assert choice.message.tool_calls is None and choice.message.content
+    assert made >= 2
+
+
+def test_required_answers_with_calls_to_the_tools(service):
+    made = []
+    for seed in range(4):
+        choice = _ask(service, tool_choice="required", parallel_tool_calls=False, seed=seed, max_tokens=80).choices[0]
+        if choice.finish_reason == "stop":
+            [call] = choice.message.tool_calls
+            tool = {"weather": WEATHER, "clock": CLOCK}[call["function"]["name"]]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+            made.append(call["function"]["name"])
+    assert made
+
+
+def test_streamed_calls_come_whole_before_the_finish(service):
+    named = {"type": "function", "function": {"name": "weather"}}
+    whole = _ask(service, tool_choice=named, seed=1).choices[0].message
+    chunks = _ask(service, tool_choice=named, seed=1, stream=True)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant"}
+    assert not any(d.get("content") for d in deltas)  # no text: the answer is the call
+    [sent] = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert [c["function"] for c in sent] == [c["function"] for c in whole.tool_calls] and sent[0]["index"] == 0
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_none_answers_in_text_and_refusals_name_their_field(service):
+    from deployments.openai_schema import RequestError
+
+    reply = _ask(service, tool_choice="none", max_tokens=5).choices[0].message
+    assert reply.tool_calls is None and isinstance(reply.content, str)
+    with pytest.raises(RequestError) as refused:
+        _ask(service, tool_choice="required", response_format={"type": "json_object"})
+    assert refused.value.param == "tool_choice"
+    with pytest.raises(RequestError) as refused:
+        _ask(service, tool_choice="required", stream=True, logprobs=True)
+    assert refused.value.param == "logprobs"
