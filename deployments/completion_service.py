@@ -170,8 +170,8 @@ class CompletionService:
         """One engine request per prompt (a chat request has one), checked against the served model
         and the limits."""
         check_model(request.model, self.model_name)
-        if request.json_format is not None:
-            await self._check_json_format(request)
+        if request.formats_asked():
+            await self._check_format(request)
         beyond = [t for t in request.logit_bias or {} if int(t) >= self.vocabulary]
         if beyond:
             raise RequestError("logit_bias", f"token ids {beyond[:5]} are not in the model's vocabulary of "
@@ -179,31 +179,30 @@ class CompletionService:
         prompts, param = await self._encode(request)
         return [self._engine_request(request, prompt_ids, param) for prompt_ids in prompts]
 
-    async def _check_json_format(self, request: OpenAIRequest) -> None:
-        """JSON needs a tokenizer that can write JSON's every character alone, and a schema's keys and
-        enum values; refused up front otherwise, rather than by the engine once the request has gone
-        through the batcher. The tokenizer does not change, so JSON's characters are tried once; a
-        schema is tried per request (its grammar is kept per schema, so that is quick)."""
-        field = "guided_json" if request.guided_json is not None else "response_format"
-        formats = request.guided_json is not None, (request.response_format or {}).get("type", "text") != "text"
-        if isinstance(request, ChatCompletionRequest) and request.calls_tools:
-            if any(formats):
-                raise RequestError("tool_choice", f"the answer is tool calls; {field} asks for another format")
+    async def _check_format(self, request: OpenAIRequest) -> None:
+        """One format at most. JSON needs a tokenizer that can write JSON's every character alone, and
+        a schema's keys and enum values; choices need the tokenizer to spell them: refused up front
+        otherwise, rather than by the engine once the request has gone through the batcher. The
+        tokenizer does not change, so JSON's characters are tried once; a schema or choices are tried
+        per request (a schema's grammar is kept, so that is quick)."""
+        asked = request.formats_asked()
+        if len(asked) > 1:
+            raise RequestError(asked[1][0], f"{asked[0][0]} asks for a format already; ask for one")
+        field, (name, arg) = asked[0]
+        if field == "tool_choice":
             field = "tools"
-        if all(formats):
-            raise RequestError("guided_json", "response_format asks for a format too; send one of the two")
-        if self._json_refusal is None:
+        if name != "choice":
+            if self._json_refusal is None:
+                try:
+                    await self.engine.call(lambda engine: make_constraint("json_object", engine.tokenizer))
+                    self._json_refusal = ""
+                except ValueError as error:
+                    self._json_refusal = str(error)
+            if self._json_refusal:
+                raise RequestError(field, f"JSON output is not available with this model: {self._json_refusal}")
+        if arg is not None:
             try:
-                await self.engine.call(lambda engine: make_constraint("json_object", engine.tokenizer))
-                self._json_refusal = ""
-            except ValueError as error:
-                self._json_refusal = str(error)
-        if self._json_refusal:
-            raise RequestError(field, f"JSON output is not available with this model: {self._json_refusal}")
-        name, schema = request.json_format
-        if schema is not None:
-            try:
-                await self.engine.call(lambda engine: make_constraint(name, engine.tokenizer, arg=schema))
+                await self.engine.call(lambda engine: make_constraint(name, engine.tokenizer, arg=arg))
             except ValueError as error:
                 raise RequestError(field, str(error)) from None
 
@@ -249,11 +248,11 @@ class CompletionService:
             frequency_penalty=request.frequency_penalty,
             stop=request.stop,
             # a loop cut short would end a JSON answer as "stop" with its object unclosed: it runs to "length"
-            stop_on_loop=self.limits.stop_on_loop and request.json_format is None,
+            stop_on_loop=self.limits.stop_on_loop and request.output_constraint is None,
             logprobs=request.logprobs_asked,
             prompt_logprobs=request.prompt_logprobs_asked,
-            constraint=request.json_format[0] if request.json_format else None,
-            constraint_arg=request.json_format[1] if request.json_format else None,
+            constraint=request.output_constraint[0] if request.output_constraint else None,
+            constraint_arg=request.output_constraint[1] if request.output_constraint else None,
         )
         return GenerationRequest(prompt_ids=prompt_ids, params=params)
 
@@ -290,9 +289,9 @@ class CompletionService:
                                "to a request")
         if request.n > 1 and self._planned(request):
             raise RequestError("n", f"a planned answer (mode '{request.mode}') has one choice; ask n > 1 with mode 'ar'")
-        if request.json_format is not None and self._planned(request):
-            raise RequestError("guided_json" if request.guided_json is not None else "response_format", f"a planned answer (mode '{request.mode}') is assembled from its "
-                               "parts as text; ask for JSON with mode 'ar'")
+        if request.formats_asked() and self._planned(request):
+            raise RequestError(request.formats_asked()[0][0], f"a planned answer (mode '{request.mode}') is assembled "
+                               "from its parts as text; ask for a format with mode 'ar'")
         if isinstance(request, ChatCompletionRequest) and request.tools and self._planned(request):
             raise RequestError("tools", f"a planned answer (mode '{request.mode}') is assembled from its parts as "
                                "text; send tools with mode 'ar'")

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deployments.tool_calls import NamedToolChoice, ToolSpec, calls_schema
+from engine.choice_constraint import MAX_CHOICES
 from engine.json_schema import compile_schema
 from graph.orchestrator import Mode, RequestMode
 
@@ -56,6 +57,18 @@ class ChatMessage(BaseModel):
         return message
 
 
+def _schema(value):
+    """A JSON Schema given as an object or as its text, checked to be one structured outputs serve."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not JSON: {error}") from None
+    if value is not None:
+        compile_schema(value)
+    return value
+
+
 def _choice_name(choice) -> str:
     return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
@@ -96,16 +109,18 @@ class _RequestFields(BaseModel):
                    "limits.max_choices caps it. Plain answers only.")
     stream: bool = Field(False, description="Answer as server-sent events, tokens as they are decoded.")
     stream_options: StreamOptions | None = None
-    # OpenAI fields that would change the answer and that this server does not implement: refused when
-    # set to anything but their neutral value, never silently ignored
     logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string, as OpenAI's) -> a bias from "
                                                 "-100 to 100 added to its logit: -100 bans it, 100 all but forces it.")
+    # the answer's format, each by constrained decoding; one of them at most (`output_constraint`)
     response_format: dict | None = Field(
         None, description="{'type': 'text'} (the default); {'type': 'json_object'}: the answer is one JSON object; "
         "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}: the answer is JSON that validates "
-        "against the schema (engine.json_schema lists the keywords served). Both by constrained decoding.")
+        "against the schema (engine.json_schema lists the keywords served).")
     guided_json: dict | str | None = Field(None, description="vLLM's: a JSON Schema (or its text) the answer "
                                            "follows, as response_format's json_schema.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's: the answer is exactly one of these strings.")
+    structured_outputs: dict | None = Field(None, description="vLLM's newer form of the guided fields: {'json': a "
+                                            "schema}, {'choice': [...]} or {'json_object': true}.")
 
     @field_validator("logit_bias")
     @classmethod
@@ -133,25 +148,58 @@ class _RequestFields(BaseModel):
     @field_validator("guided_json")
     @classmethod
     def _guided_schema(cls, value):
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"not JSON: {error}") from None
-        compile_schema(value)
+        return _schema(value)
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _choices(cls, value):
+        if value is not None and not (0 < len(value) <= MAX_CHOICES and all(value)):
+            raise ValueError(f"1 to {MAX_CHOICES} non-empty strings")
         return value
 
-    @property
-    def json_format(self) -> tuple[str, dict | None] | None:
-        """The JSON the answer is held to, as the engine's constraint and its argument: OpenAI's JSON
-        mode ("json_object"), or a schema ("json_schema": response_format's, or vLLM's guided_json).
-        None for plain text."""
+    @field_validator("structured_outputs")
+    @classmethod
+    def _served_structures(cls, value):
+        if value is None:
+            return value
+        given = {k: v for k, v in value.items() if v not in (None, False)}
+        unknown = sorted(set(given) - {"json", "choice", "json_object"})
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not served (json, choice and json_object are)")
+        if len(given) != 1:
+            raise ValueError("give one of json, choice and json_object")
+        if "json" in given:
+            given["json"] = _schema(given["json"])
+        if "choice" in given:
+            given["choice"] = cls._choices(given["choice"]) if isinstance(given["choice"], list) else None
+            if given["choice"] is None:
+                raise ValueError("choice: a list of strings")
+        return given
+
+    def formats_asked(self) -> list[tuple[str, tuple[str, dict | None]]]:
+        """Each format the request asks for, as (its field, (the engine's constraint, its argument))."""
+        asked = []
         kind = (self.response_format or {}).get("type", "text")
         if kind == "json_schema":
-            return "json_schema", self.response_format["json_schema"]["schema"]
+            asked.append(("response_format", ("json_schema", self.response_format["json_schema"]["schema"])))
+        elif kind == "json_object":
+            asked.append(("response_format", ("json_object", None)))
         if self.guided_json is not None:
-            return "json_schema", self.guided_json
-        return ("json_object", None) if kind == "json_object" else None
+            asked.append(("guided_json", ("json_schema", self.guided_json)))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", ("choice", {"choices": self.guided_choice})))
+        for key, value in (self.structured_outputs or {}).items():
+            constraint = {"json": ("json_schema", value), "choice": ("choice", {"choices": value}),
+                          "json_object": ("json_object", None)}[key]
+            asked.append(("structured_outputs", constraint))
+        return asked
+
+    @property
+    def output_constraint(self) -> tuple[str, dict | None] | None:
+        """The engine constraint (and its argument) the answer is decoded under; None for free text.
+        When several formats are asked, the first (the service refuses such a request)."""
+        asked = self.formats_asked()
+        return asked[0][1] if asked else None
 
     @field_validator("stop")
     @classmethod
@@ -250,11 +298,11 @@ class ChatCompletionRequest(_RequestFields):
         """The answer is tool calls ('required' or a named function)."""
         return self.tool_choice not in (None, "none", "auto")
 
-    @property
-    def json_format(self) -> tuple[str, dict | None] | None:
-        if self.calls_tools:
-            return "json_schema", calls_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
-        return super().json_format
+    def formats_asked(self) -> list[tuple[str, tuple[str, dict | None]]]:
+        if not self.calls_tools:
+            return super().formats_asked()
+        calls = ("json_schema", calls_schema(self.tools, self.tool_choice, self.parallel_tool_calls))
+        return [("tool_choice", calls), *super().formats_asked()]
 
     @property
     def requested_max_tokens(self) -> int | None:

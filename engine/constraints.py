@@ -19,6 +19,7 @@ CONSTRAINTS: dict[str, str] = {
     "plan_lines": "graph.plan_constraint:PlanLineConstraint",
     "json_object": "engine.json_constraint:JsonObjectConstraint",
     "json_schema": "engine.json_schema_constraint:JsonSchemaConstraint",
+    "choice": "engine.choice_constraint:ChoiceConstraint",
 }
 
 

@@ -191,6 +191,14 @@ class _Vocab:
 
 
 _VOCABS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def token_vocab(tokenizer) -> _Vocab:
+    """The tokenizer's indexed token strings and mask cache, built once per tokenizer."""
+    vocab = _VOCABS.get(tokenizer)
+    if vocab is None:
+        vocab = _VOCABS[tokenizer] = _Vocab(tokenizer)
+    return vocab
 JSON_CHARACTERS = set('{}[]:,"\\ ' + DIGITS + "-.eE+" + "truefalsn" + HEX)
 
 
@@ -202,10 +210,7 @@ class GrammarConstraint(TokenConstraint):
 
     def __init__(self, tokenizer, grammar: CharGrammar):
         self.grammar = grammar
-        vocab = _VOCABS.get(tokenizer)
-        if vocab is None:
-            vocab = _VOCABS[tokenizer] = _Vocab(tokenizer)
-        self._vocab = vocab
+        self._vocab = vocab = token_vocab(tokenizer)
         missing = sorted(JSON_CHARACTERS - vocab.single_chars)
         if missing:
             raise ValueError(f"the tokenizer has no one-character token for {missing}, needed to write JSON")

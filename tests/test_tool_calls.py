@@ -150,7 +150,7 @@ def test_none_answers_in_text_and_refusals_name_their_field(service):
     assert reply.tool_calls is None and isinstance(reply.content, str)
     with pytest.raises(RequestError) as refused:
         _ask(service, tool_choice="required", response_format={"type": "json_object"})
-    assert refused.value.param == "tool_choice"
+    assert refused.value.param == "response_format" and "tool_choice asks for a format already" in refused.value.message
     with pytest.raises(RequestError) as refused:
         _ask(service, tool_choice="required", stream=True, logprobs=True)
     assert refused.value.param == "logprobs"
