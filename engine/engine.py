@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ from engine.prefix_cache import PrefixCache, PrefixEntry, PrefixHandle
 from engine.sampling import make_generator, sample, token_logprobs
 from engine.types import FinishReason, GenerationRequest, Result, TokenEvent, TokenLogprob
 
+
+log = logging.getLogger(__name__)
 
 @dataclass
 class _Sequence:
@@ -343,6 +346,11 @@ class LLMEngine(Engine):
     def _accept(self, batch: list[_Sequence], logits: torch.Tensor) -> None:
         """Append one sampled token to each sequence and decide whether it is done."""
         masks = [self._allowed(s, logits.shape[-1]) for s in batch]
+        for row, mask in enumerate(masks):
+            if mask is not None and not mask.any():  # a constraint broke its promise: end that answer, not the engine
+                log.warning("request %s: its constraint allows no token after %d; the answer ends here",
+                            batch[row].request.id, len(batch[row].generated))
+                batch[row].finish, masks[row] = FinishReason.STOP, None
         chosen = sample(logits, [s.request.params for s in batch], [s.generator for s in batch], masks,
                         [s.generated for s in batch])
         scored = self._logprobs(batch, logits, chosen)

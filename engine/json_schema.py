@@ -18,6 +18,7 @@ the user's validation.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -61,10 +62,31 @@ class Node:
 
 @dataclass
 class Program:
-    """The compiled schema: `nodes[root]` is the answer's node."""
+    """The compiled schema: `nodes[root]` is the answer's node. `depth[i]`: the fewest open containers
+    a value of node i needs to be written whole (inf: no finite value; a decoder never starts one)."""
 
     nodes: list[Node] = field(default_factory=list)
     root: int = 0
+    depth: list[float] = field(default_factory=list)
+
+    def measure(self) -> None:
+        """Fill `depth`, from the leaves up until nothing changes (recursion settles at its finite cases)."""
+        depth = [math.inf] * len(self.nodes)
+        changed = True
+        while changed:
+            changed = False
+            for i, node in enumerate(self.nodes):
+                if node.kind == "any_of":
+                    value = min((depth[o] for o in node.options), default=math.inf)
+                elif node.kind == "object":
+                    value = 1 + max((depth[v] for v, needed in zip(node.values, node.required) if needed), default=0)
+                elif node.kind == "array":
+                    value = 1 + (depth[node.items] if node.min_items else 0)
+                else:
+                    value = 0
+                if value < depth[i]:
+                    depth[i], changed = value, True
+        self.depth = depth
 
 
 class _Compiler:
@@ -240,6 +262,10 @@ def compile_schema(schema) -> Program:
     compiler = _Compiler(schema if isinstance(schema, dict) else {})
     program = compiler.program
     program.root = compiler.compile(schema, "schema")
+    program.measure()
+    if program.depth[program.root] == math.inf:
+        raise ValueError("schema: admits no finite value (a required property or item that contains itself "
+                         "without end)")
     roots, seen = [program.root], set()
     while roots:  # the root's alternatives, through any_of and $ref
         node = program.nodes[roots.pop()]

@@ -30,9 +30,12 @@ class SchemaGrammar(CharGrammar):
 
     def __init__(self, program: Program, max_depth: int = 32, max_whitespace: int = 24):
         self.nodes = program.nodes
+        self.depth = program.depth
         self.max_depth = max_depth
         self.max_whitespace = max_whitespace
         self.start = frozenset((frames, 0) for frames in self._pushes((), program.root))
+        if not self.start:
+            raise ValueError(f"schema: its values need more than {max_depth} nested containers")
 
     def step(self, state, ch: str):
         if state == DONE:
@@ -66,9 +69,15 @@ class SchemaGrammar(CharGrammar):
         return [t for node in self.nodes for t in node.keys + node.texts]
 
     # ---- one branch -----------------------------------------------------------------------------
+    def fits(self, index: int, open_containers: int) -> bool:
+        """A value of node `index` begun inside `open_containers` containers can be finished without
+        passing `max_depth`. Only such values are ever begun, so no answer reaches a dead end."""
+        return open_containers + self.depth[index] <= self.max_depth
+
     def _pushes(self, below: tuple, index: int) -> list[tuple]:
         """The branches that start a value of node `index` above the frames `below`: one per
-        alternative, through any_of (and $ref, a one-option any_of)."""
+        alternative, through any_of (and $ref, a one-option any_of), less those that cannot be
+        finished within `max_depth` (or at all)."""
         leaves, stack, seen = [], [index], set()
         while stack:
             i = stack.pop()
@@ -78,7 +87,7 @@ class SchemaGrammar(CharGrammar):
             node = self.nodes[i]
             if node.kind == "any_of":
                 stack.extend(reversed(node.options))
-            else:
+            elif self.fits(i, len(below)):
                 leaves.append(i)
         return [below + (("v", i),) for i in leaves]
 
@@ -113,7 +122,7 @@ class SchemaGrammar(CharGrammar):
         node = self.nodes[index]
         kind = node.kind
         if kind in ("object", "array"):
-            if ch != ("{" if kind == "object" else "[") or len(below) >= self.max_depth:
+            if ch != ("{" if kind == "object" else "["):
                 return []
             return [(below + (("o", index, "first", 0, "") if kind == "object" else ("a", index, "first", 0),), 0)]
         if kind == "string":
@@ -176,23 +185,27 @@ class SchemaGrammar(CharGrammar):
     def _object(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
         _, index, phase, first, written = top
         node = self.nodes[index]
-        if phase == "keytext":  # a listed key, written whole
+        if phase == "keytext":  # a listed key, written whole, whose value can be finished in the depth left
             text = written + ch
-            matches = [j for j in node.key_choices(first) if node.keys[j].startswith(text)]
+            inside = len(below) + 1
+            matches = [j for j in node.key_choices(first) if node.keys[j].startswith(text)
+                       and (node.required[j] or self.fits(node.values[j], inside))]
             whole = [j for j in matches if node.keys[j] == text]
             if whole:
                 return [(below + (("o", index, "colon", whole[0], ""),), 0)]
             return [(below + (("o", index, "keytext", first, text),), 0)] if matches else []
         if phase in ("first", "key") and ch == '"':
             if node.keys:
-                return [(below + (("o", index, "keytext", first, '"'),), 0)] if first < len(node.keys) else []
-            if node.extra is None:
+                return self._object(below, ("o", index, "keytext", first, ""), ch)
+            if node.extra is None or not self.fits(node.extra, len(below) + 1):
                 return []
             return [(below + (("o", index, "colon", -1, ""), ("s", None, 0, 0)), 0)]
         if phase in ("first", "after") and ch == "}":
             return self._done(below) if node.may_close(first) else []
         if phase == "after" and ch == ",":
-            more = first < len(node.keys) if node.keys else node.extra is not None
+            inside = len(below) + 1
+            more = (any(node.required[j] or self.fits(node.values[j], inside) for j in node.key_choices(first))
+                    if node.keys else node.extra is not None and self.fits(node.extra, inside))
             return [(below + (("o", index, "key", first, ""),), 0)] if more else []
         if phase == "colon" and ch == ":":
             value, after = (node.extra, 0) if first < 0 else (node.values[first], first + 1)
@@ -207,9 +220,13 @@ class SchemaGrammar(CharGrammar):
         if phase == "after":
             if ch != "," or (node.max_items is not None and count >= node.max_items):
                 return []
+            if count >= node.min_items and not self.fits(node.items, len(below) + 1):
+                return []
             return [(below + (("a", index, "next", count),), 0)]
         if node.items is None or (node.max_items is not None and count >= node.max_items):
             return []
+        if count >= node.min_items and not self.fits(node.items, len(below) + 1):
+            return []  # an item it need not have and could not finish
         counted = count + 1 if node.max_items is not None else min(count + 1, node.min_items)
         out = []
         for frames in self._pushes(below + (("a", index, "after", counted),), node.items):

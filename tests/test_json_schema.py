@@ -46,7 +46,13 @@ PET = {  # a tagged union, as pydantic writes one
 LIST = {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "integer"}},
         "minItems": 1, "maxItems": 3}
 FREE = {"type": "object"}
-SCHEMAS = {"person": PERSON, "tree": TREE, "pet": PET, "list": LIST, "free": FREE}
+CHAIN = {  # optional nesting without end, and an alternative that must nest: both cut at the depth limit
+    "$defs": {"link": {"type": "object", "properties": {"next": {"$ref": "#/$defs/link"}, "also": {"anyOf": [
+        {"type": "array", "items": {"$ref": "#/$defs/link"}, "minItems": 1}, {"type": "integer"}]}},
+        "required": ["also"]}},
+    "$ref": "#/$defs/link",
+}
+SCHEMAS = {"person": PERSON, "tree": TREE, "pet": PET, "list": LIST, "free": FREE, "chain": CHAIN}
 
 
 def _grammar(schema) -> SchemaGrammar:
@@ -79,6 +85,48 @@ def test_the_grammar_agrees_with_the_reference_validator(schema, text, valid):
     assert _grammar(schema).accepts(text) is valid
     is_valid = jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) if _parses(text) else False
     assert is_valid is valid
+
+
+def test_nothing_is_begun_that_cannot_be_finished_within_the_depth_limit():
+    grammar = _grammar(CHAIN)  # max_depth 6
+    deep = '{"next":' * 5  # five levels open; a sixth link fits if it goes no deeper
+    assert grammar.run(grammar.start, deep + '{"') is not None
+    assert grammar.run(grammar.start, deep + '{"n') is None  # its "next" would need a seventh level
+    assert grammar.run(grammar.start, deep + '{"also":[') is None  # and so would a list of links
+    assert grammar.accepts(deep + '{"also":1}' + ',"also":2}' * 5)
+    with pytest.raises(ValueError, match="nested containers"):
+        SchemaGrammar(compile_schema({"type": "array", "items": {"type": "array", "items": {"type": "array"},
+                                                                  "minItems": 1}, "minItems": 1}), max_depth=2)
+
+
+class NoToken:
+    """A constraint that breaks its promise: nothing may come next."""
+
+    def __init__(self, tokenizer):
+        self.size = len(tokenizer)
+
+    def allowed(self):
+        import torch
+
+        return torch.zeros(self.size, dtype=torch.bool)
+
+    def advance(self, token_id):
+        raise ValueError("nothing may come next")
+
+    is_complete = False
+
+
+def test_a_constraint_that_allows_no_token_ends_its_answer_not_the_engine(json_engine, monkeypatch):  # noqa: F811
+    from engine import constraints
+
+    monkeypatch.setitem(constraints.CONSTRAINTS, "no_token", "tests.test_json_schema:NoToken")
+    engine = json_engine(max_batch_size=4)
+    broken, plain = engine.generate([
+        GenerationRequest(prompt_ids=[1, 10, 11], params=SamplingParams(max_tokens=8, constraint="no_token")),
+        GenerationRequest(prompt_ids=[1, 10, 12], params=SamplingParams(max_tokens=8, temperature=1.0, seed=1)),
+    ])
+    assert broken.finish_reason == FinishReason.STOP and broken.token_ids == []
+    assert len(plain.token_ids) == 8 or plain.finish_reason == FinishReason.STOP
 
 
 def test_properties_come_in_the_schemas_order():
@@ -122,6 +170,8 @@ def test_every_answer_the_grammar_completes_validates(name):
     ({"type": "object", "properties": {"a": {"type": "text"}}}, "not a JSON Schema type"),
     ({"type": "object", "properties": {"a": False}}, "admits no value"),
     ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"maxLength": 2}]}}}, "allOf"),
+    ({"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+      "$ref": "#/$defs/n"}, "no finite value"),
 ])
 def test_what_the_grammar_cannot_honour_is_refused_naming_it(schema, keyword):
     with pytest.raises(ValueError, match=keyword):
