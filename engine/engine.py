@@ -16,13 +16,14 @@ from engine.copies import CopyGuard
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafts import lookup_draft
 from engine.loops import LoopDetector
-from engine.llama import LlamaRunner, PrefillItem
+from engine.llama import LlamaRunner, LogitRows, PrefillItem
 from engine.prefix_cache import PrefixCache, PrefixEntry, PrefixHandle
 from engine.sampling import make_generator, sample, token_logprobs
 from engine.types import FinishReason, GenerationRequest, Result, TokenEvent, TokenLogprob
 
 
 log = logging.getLogger(__name__)
+SCORED_ROWS_AT_ONCE = 256  # a scored prompt's rows turned into logits together (engine.llama.LogitRows)
 
 @dataclass
 class _Sequence:
@@ -308,7 +309,7 @@ class LLMEngine(Engine):
                                                    prefix_end=to_cache, logit_rows=need if scores_prompt else 1))
         return admission
 
-    def _settle_admission(self, admission: _Admission, logits: torch.Tensor | None) -> None:
+    def _settle_admission(self, admission: _Admission, logits: torch.Tensor | LogitRows | None) -> None:
         """After the pass that computed the admitted prompts (`logits`: each item's last `logit_rows`
         rows, item after item, then the rows after their shared prefixes, for the items that ask): cache
         those prefixes and preambles, score the prompts that ask, and sample each admitted sequence's
@@ -375,15 +376,18 @@ class LLMEngine(Engine):
         scored = token_logprobs(logits[rows], [chosen[row] for row in rows], tops, self._token_text)
         return dict(zip(rows, scored))
 
-    def _score_prompt(self, sequence: _Sequence, logits: torch.Tensor) -> None:
+    def _score_prompt(self, sequence: _Sequence, logits: torch.Tensor | LogitRows) -> None:
         """Each prompt token's log probability after the first, from the rows of the tokens before it."""
         prompt = sequence.request.prompt_ids
         if len(prompt) < 2:
             sequence.prompt_logprobs = []
             return
-        k = sequence.request.params.prompt_logprobs
-        sequence.prompt_logprobs = token_logprobs(logits[: len(prompt) - 1], prompt[1:], [k] * (len(prompt) - 1),
-                                                  self._token_text)
+        k, scored = sequence.request.params.prompt_logprobs, []
+        for lo in range(0, len(prompt) - 1, SCORED_ROWS_AT_ONCE):  # a long prompt's logits a chunk at a time
+            hi = min(lo + SCORED_ROWS_AT_ONCE, len(prompt) - 1)
+            scored += token_logprobs(logits[list(range(lo, hi))], prompt[lo + 1 : hi + 1], [k] * (hi - lo),
+                                     self._token_text)
+        sequence.prompt_logprobs = scored
 
     def _token_text(self, token: int) -> str:
         text = self._token_texts.get(token)

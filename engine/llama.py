@@ -60,6 +60,30 @@ class _Layer:
     down: Linear
 
 
+EAGER_LOGIT_ROWS = 256  # an item asking for more rows (a prompt scored whole) gets them as they are read
+
+
+class LogitRows:
+    """Logits of a pass's rows, computed as they are read. A pass returns these instead of a tensor
+    when an item asks for more than EAGER_LOGIT_ROWS rows (a prompt scored whole, for `echo` with
+    `logprobs`): all at once, its float32 logits would take rows x vocab x 4 bytes (0.4 GB for 2,000
+    tokens of a 49k vocabulary, 2 GB for 4,000 of a 128k one). Indexed as that tensor would be: a
+    row or a list of rows gives logits, a slice gives LogitRows."""
+
+    def __init__(self, hidden: torch.Tensor, head):
+        self.hidden, self.head = hidden, head
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return LogitRows(self.hidden[index], self.head)
+        if isinstance(index, int):
+            return self.head(self.hidden[index].unsqueeze(0))[0]
+        return self.head(self.hidden[index])
+
+
 @dataclass
 class PrefillItem:
     """One sequence to prefill: `token_ids` go into `slot` starting at cache position `start`.
@@ -262,7 +286,7 @@ class LlamaRunner:
             rows = list(range(batch)) + [r for it, (_, hi) in zip(extend, bounds) for r in range(hi - it.logit_rows, hi)]
             rows += [lo + it.prefix_row() for it, (lo, _) in zip(extend, bounds) if it.prefix_row() is not None]
             x = x[torch.tensor(rows, device=self.device)]
-        return self.logits(x)
+        return self._logit_rows(x, extend)
 
     @torch.inference_mode()
     def prefill(self, items: list[PrefillItem]) -> torch.Tensor:
@@ -272,7 +296,13 @@ class LlamaRunner:
         x, bounds = self.run_layers(items, self.layers)
         rows = [r for it, (_, hi) in zip(items, bounds) for r in range(hi - it.logit_rows, hi)]
         rows += [lo + it.prefix_row() for it, (lo, _) in zip(items, bounds) if it.prefix_row() is not None]
-        return self.logits(x[torch.tensor(rows, device=self.device)])
+        return self._logit_rows(x[torch.tensor(rows, device=self.device)], items)
+
+    def _logit_rows(self, x: torch.Tensor, items) -> torch.Tensor | LogitRows:
+        """The rows' logits: a tensor, or LogitRows when an item asks for many rows."""
+        if any(item.logit_rows > EAGER_LOGIT_ROWS for item in items):
+            return LogitRows(x, self.logits)
+        return self.logits(x)
 
     @torch.inference_mode()
     def run_layers(self, items: list[PrefillItem], layers: list[_Layer], x: torch.Tensor | None = None,

@@ -156,7 +156,7 @@ def test_openai_client_parses_structured_outputs_into_a_pydantic_model(server):
 def test_vllms_guided_choice_through_extra_body(server):
     reply = _ask_openai(server, extra_body={"guided_choice": ["London", "Paris", "Rome"]})
     assert reply.choices[0].message.content in ("London", "Paris", "Rome")  # which one is the model's knowledge
-    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens <= 2
+    assert reply.choices[0].finish_reason == "stop"
 
 
 def test_openai_client_gets_tool_calls_and_answers_from_the_tools_result(server):

@@ -187,3 +187,30 @@ def test_the_stop_token_that_ends_an_answer_keeps_its_logprob_apart(make_engine,
     assert result.stop_logprob.logprob == pytest.approx(reference[3, full[3]].item(), abs=1e-4)
     [plain] = engine.generate([GenerationRequest(prompt_ids=PROMPT, params=SamplingParams(max_tokens=6))])
     assert plain.stop_logprob is None
+
+
+@pytest.mark.parametrize("mixed_batches", [True, False])
+def test_a_long_prompt_is_scored_a_chunk_of_logits_at_a_time(make_engine, tiny_model, decode_alone, mixed_batches,
+                                                             monkeypatch):
+    """Past EAGER_LOGIT_ROWS rows the pass hands back hidden rows, turned into logits as they are read, so a
+    long scored prompt never holds rows x vocab floats at once; the scores are the same."""
+    import engine.engine as core
+    import engine.llama as llama
+
+    lazy = []
+    monkeypatch.setattr(llama, "EAGER_LOGIT_ROWS", 40)
+    monkeypatch.setattr(core, "SCORED_ROWS_AT_ONCE", 32)  # five chunks
+    original = llama.LogitRows.__init__
+    monkeypatch.setattr(llama.LogitRows, "__init__", lambda self, *a: (lazy.append(1), original(self, *a))[1])
+    prompt = [1] + [3 + (i * 7) % 250 for i in range(150)]
+    engine = make_engine(max_batch_size=2, mixed_batches=mixed_batches, max_prefill_tokens=512)
+    engine.add(GenerationRequest(id="running", prompt_ids=[1, 5, 50], params=SamplingParams(max_tokens=6)))
+    engine.step()
+    engine.add(GenerationRequest(id="long", prompt_ids=prompt, params=SamplingParams(max_tokens=4, prompt_logprobs=2)))
+    while engine.has_work():
+        engine.step()
+    result = engine.pop_result("long")
+    assert lazy  # the long prompt's rows came back lazily
+    _check_prompt_scores(result.prompt_logprobs, tiny_model, prompt, 2)
+    assert result.token_ids == decode_alone(prompt, max_tokens=4).token_ids
+    assert engine.pop_result("running").token_ids == decode_alone([1, 5, 50], max_tokens=6).token_ids
