@@ -19,6 +19,7 @@ from deployments.openai_schema import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     Choice,
     CompletionRequest,
     DetokenizeRequest,
@@ -145,16 +146,7 @@ class CompletionService:
         """Each prompt's token ids, and the field that holds the prompts. Tokenized on the engine
         thread: the tokenizer is not shared across threads."""
         if isinstance(request, ChatCompletionRequest):
-            if self._renders_tools is None and request.tools:
-                self._renders_tools = await self.engine.call(lambda engine: template_renders_tools(engine.tokenizer))
-            messages, tools = template_messages([m.for_template() for m in request.messages], request.tools,
-                                                request.tool_choice, bool(self._renders_tools))
-            try:
-                ids = await self.engine.call(lambda engine: chat_ids(engine.tokenizer, messages, tools=tools))
-            except TemplateError as error:
-                raise RequestError("messages", f"the model's chat template cannot write this conversation: {error}"
-                                   ) from None
-            return [ids], "messages"
+            return [await self._chat_ids(request.messages, request.tools, request.tool_choice)], "messages"
         encoded = []
         for prompt in request.prompts:
             if isinstance(prompt, str):
@@ -165,6 +157,21 @@ class CompletionService:
                                    f"{self.vocabulary}")
             encoded.append(list(prompt))
         return encoded, "prompt"
+
+    async def _chat_ids(self, messages: list[ChatMessage], tools=None, tool_choice=None,
+                        add_generation_prompt: bool = True) -> list[int]:
+        """A conversation's token ids with the model's chat template, `tools` shown to the model the
+        way the template can take them (deployments.tool_calls); one it cannot write is a 400."""
+        if self._renders_tools is None and (tools or any(m.tool_calls or m.role == "tool" for m in messages)):
+            self._renders_tools = await self.engine.call(lambda engine: template_renders_tools(engine.tokenizer))
+        written, tools_arg = template_messages([m.for_template() for m in messages], tools, tool_choice,
+                                               bool(self._renders_tools))
+        try:
+            return await self.engine.call(
+                lambda engine: chat_ids(engine.tokenizer, written, add_generation_prompt, tools=tools_arg))
+        except (TemplateError, TypeError, ValueError) as error:
+            raise RequestError("messages", f"the model's chat template cannot write this conversation: {error}"
+                               ) from None
 
     async def to_engine_requests(self, request: OpenAIRequest) -> list[GenerationRequest]:
         """One engine request per prompt (a chat request has one), checked against the served model
@@ -233,6 +240,7 @@ class CompletionService:
         if request.min_tokens > max_tokens:
             raise RequestError("min_tokens", f"{request.min_tokens} is more than the {max_tokens} tokens the answer "
                                "may have")
+        constraint, constraint_arg = request.output_constraint or (None, None)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=request.temperature,
@@ -248,11 +256,11 @@ class CompletionService:
             frequency_penalty=request.frequency_penalty,
             stop=request.stop,
             # a loop cut short would end a JSON answer as "stop" with its object unclosed: it runs to "length"
-            stop_on_loop=self.limits.stop_on_loop and request.output_constraint is None,
+            stop_on_loop=self.limits.stop_on_loop and constraint is None,
             logprobs=request.logprobs_asked,
             prompt_logprobs=request.prompt_logprobs_asked,
-            constraint=request.output_constraint[0] if request.output_constraint else None,
-            constraint_arg=request.output_constraint[1] if request.output_constraint else None,
+            constraint=constraint,
+            constraint_arg=constraint_arg,
         )
         return GenerationRequest(prompt_ids=prompt_ids, params=params)
 
@@ -451,8 +459,7 @@ class CompletionService:
     async def tokenize(self, request: TokenizeRequest) -> dict:
         check_model(request.model, self.model_name)
         if request.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            tokens = await self.engine.call(lambda e: e.encode_chat(messages, request.add_generation_prompt))
+            tokens = await self._chat_ids(request.messages, add_generation_prompt=request.add_generation_prompt)
         else:
             tokens = await self.engine.call(
                 lambda e: e.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))

@@ -154,3 +154,20 @@ def test_none_answers_in_text_and_refusals_name_their_field(service):
     with pytest.raises(RequestError) as refused:
         _ask(service, tool_choice="required", stream=True, logprobs=True)
     assert refused.value.param == "logprobs"
+
+
+def test_a_conversation_with_calls_and_results_is_tokenized_as_it_is_answered(service):
+    from deployments.openai_schema import ChatCompletionRequest, TokenizeRequest
+
+    conversation = [
+        {"role": "user", "content": "weather in rome"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "weather", "arguments": '{"city": "rome", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "warm"},
+    ]
+    tokens = asyncio.run(service.tokenize(TokenizeRequest(messages=conversation)))["tokens"]
+    request = ChatCompletionRequest(messages=conversation, max_tokens=3)
+    [engine_request] = asyncio.run(service.to_engine_requests(request))
+    assert engine_request.prompt_ids == tokens and len(tokens) > 10
+    reply = asyncio.run(service.complete(request)).choices[0]
+    assert reply.message.tool_calls is None and reply.finish_reason in ("stop", "length")
