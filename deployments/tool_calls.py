@@ -55,45 +55,34 @@ def calls_schema(tools: list[ToolSpec], choice: str | NamedToolChoice, parallel:
         return next(t.function.parameters for t in tools if t.function.name == choice.function.name)
     definitions, options = {}, []
     for i, tool in enumerate(tools):
-        parameters = dict(tool.function.parameters)
+        prefix, parameters = f"tool{i}-", dict(tool.function.parameters)
         for where in ("$defs", "definitions"):
-            for name, schema in (parameters.pop(where, None) or {}).items():
-                definitions[f"tool{i}-{name}"] = schema
+            for name, body in (parameters.pop(where, None) or {}).items():
+                definitions[prefix + name] = _prefixed_refs(body, prefix)
         options.append({"type": "object", "properties": {"name": {"const": tool.function.name},
-                                                         "parameters": parameters},
+                                                         "parameters": _prefixed_refs(parameters, prefix)},
                         "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "items": {"anyOf": options}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
     if definitions:
         schema["$defs"] = definitions
-    return _renamed_refs(schema, {i: f"tool{i}-" for i in range(len(tools))})
+    return schema
 
 
-def _renamed_refs(schema: dict, prefixes: dict[int, str]) -> dict:
-    """Rewrite `#/$defs/X` (and `#/definitions/X`) inside option i's parameters to `#/$defs/tool{i}-X`;
-    references inside a moved definition keep the prefix of the tool it came from."""
-    def walk(value, prefix: str):
-        if isinstance(value, dict):
-            out = {}
-            for key, item in value.items():
-                if key == "$ref" and isinstance(item, str):
-                    for old in ("#/$defs/", "#/definitions/"):
-                        if item.startswith(old):
-                            item = f"#/$defs/{prefix}{item[len(old):]}"
-                            break
-                out[key] = walk(item, prefix)
-            return out
-        if isinstance(value, list):
-            return [walk(item, prefix) for item in value]
-        return value
-
-    options = [walk(option, prefixes[i]) for i, option in enumerate(schema["items"]["anyOf"])]
-    definitions = {name: walk(body, name.split("-", 1)[0] + "-") for name, body in schema.get("$defs", {}).items()}
-    renamed = {**schema, "items": {"anyOf": options}}
-    if definitions:
-        renamed["$defs"] = definitions
-    return renamed
+def _prefixed_refs(value, prefix: str):
+    """`value` with its references into `#/$defs/X` (or `#/definitions/X`) pointing at `#/$defs/<prefix>X`."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if key == "$ref" and isinstance(item, str):
+                old = next((o for o in ("#/$defs/", "#/definitions/") if item.startswith(o)), None)
+                item = f"#/$defs/{prefix}{item[len(old):]}" if old else item
+            out[key] = _prefixed_refs(item, prefix)
+        return out
+    if isinstance(value, list):
+        return [_prefixed_refs(item, prefix) for item in value]
+    return value
 
 
 def tool_calls(text: str, choice: str | NamedToolChoice) -> list[dict] | None:
