@@ -34,7 +34,9 @@ HEX = "0123456789abcdefABCDEF"
 DIGITS = "0123456789"
 LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
 _CLOSER = {"{": "}", "[": "]"}
-_NUMBER_ENDS = ("zero", "int", "frac", "expdigit")  # phases where a number may end
+NUMBER_ENDS = ("zero", "int", "frac", "expdigit")  # phases where a number may end
+NUMBER_DIGITS = 19  # most digits in a number's integer or fraction part (a double holds 17)
+EXPONENT_DIGITS = 3
 
 
 @dataclass(frozen=True)
@@ -92,10 +94,9 @@ class JsonGrammar(CharGrammar):
             return ("key_or_end", stack + ch, 0) if ch == "{" else ("value_or_end", stack + ch, 0)
         if ch == '"':
             return ("str", stack, False)
-        if ch == "-":
-            return ("num", stack, "minus")
-        if ch in DIGITS:
-            return ("num", stack, "zero" if ch == "0" else "int")
+        start = number_start(ch)
+        if start is not None:
+            return ("num", stack, *start)
         if ch in LITERALS:
             return ("lit", stack, LITERALS[ch])
         return None
@@ -127,20 +128,41 @@ class JsonGrammar(CharGrammar):
         return math.inf if state[0] == "str" else None
 
     def _number(self, state: tuple, ch: str) -> tuple | None:
-        _, stack, phase = state
-        if ch in DIGITS:
-            nxt = {"minus": "zero" if ch == "0" else "int", "int": "int", "dot": "frac", "frac": "frac",
-                   "exp": "expdigit", "expsign": "expdigit", "expdigit": "expdigit"}.get(phase)
-            return ("num", stack, nxt) if nxt else None
-        if ch == "." and phase in ("zero", "int"):
-            return ("num", stack, "dot")
-        if ch in "eE" and phase in ("zero", "int", "frac"):
-            return ("num", stack, "exp")
-        if ch in "+-" and phase == "exp":
-            return ("num", stack, "expsign")
-        if phase in _NUMBER_ENDS:  # the number ends here; the character is read after it
+        _, stack, phase, digits = state
+        nxt = number_step(phase, digits, ch)
+        if nxt is not None:
+            return ("num", stack, *nxt)
+        if phase in NUMBER_ENDS:  # the number ends here; the character is read after it
             return self.step(("after", stack, 0), ch)
         return None
+
+
+def number_step(phase: str, digits: int, ch: str, integer: bool = False) -> tuple[str, int] | None:
+    """A JSON number's next (phase, digits in its current part) after `ch`, or None where `ch` does not
+    continue it (the number may end there: `phase in NUMBER_ENDS`). Parts have at most NUMBER_DIGITS
+    digits (EXPONENT_DIGITS in the exponent): past what a double holds, more digits are a model
+    repeating itself to max_tokens, which the loop stop cannot cut in a JSON answer."""
+    if ch in DIGITS:
+        if phase == "minus":
+            return ("zero" if ch == "0" else "int"), 1
+        if phase in ("int", "frac", "expdigit"):
+            most = EXPONENT_DIGITS if phase == "expdigit" else NUMBER_DIGITS
+            return (phase, digits + 1) if digits < most else None
+        return {"dot": ("frac", 1), "exp": ("expdigit", 1), "expsign": ("expdigit", 1)}.get(phase)  # none after a 0
+    if ch == "." and phase in ("zero", "int") and not integer:
+        return "dot", 0
+    if ch in "eE" and phase in ("zero", "int", "frac") and not integer:
+        return "exp", 0
+    if ch in "+-" and phase == "exp":
+        return "expsign", 0
+    return None
+
+
+def number_start(ch: str) -> tuple[str, int] | None:
+    """A JSON number's first (phase, digits) after `ch`, or None where it cannot start one."""
+    if ch == "-":
+        return "minus", 0
+    return (("zero" if ch == "0" else "int"), 1) if ch in DIGITS else None
 
 
 class _Vocab:

@@ -16,12 +16,10 @@ import math
 from functools import lru_cache
 
 from engine.constraints import DONE, CharGrammar
-from engine.json_constraint import DIGITS, ESCAPES, HEX, WHITESPACE, GrammarConstraint
+from engine.json_constraint import (ESCAPES, HEX, NUMBER_ENDS, WHITESPACE, GrammarConstraint, number_start,
+                                    number_step)
 from engine.json_schema import Program, compiled, schema_key
 
-_NUMBER_NEXT = {"minus": None, "int": "int", "dot": "frac", "frac": "frac", "exp": "expdigit",
-                "expsign": "expdigit", "expdigit": "expdigit"}
-_NUMBER_ENDS = ("zero", "int", "frac", "expdigit")
 
 
 class SchemaGrammar(CharGrammar):
@@ -129,11 +127,8 @@ class SchemaGrammar(CharGrammar):
             return [(below + (("s", index, 0, 0),), 0)] if ch == '"' else []
         if kind == "literal":
             return self._literal(below, ("l", index, ""), ch)
-        if ch == "-":
-            return [(below + (("n", index, "minus"),), 0)]
-        if ch in DIGITS:
-            return [(below + (("n", index, "zero" if ch == "0" else "int"),), 0)]
-        return []
+        start = number_start(ch)
+        return [(below + (("n", index, *start),), 0)] if start is not None else []
 
     def _string(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
         _, index, count, escape = top
@@ -167,20 +162,11 @@ class SchemaGrammar(CharGrammar):
         return out
 
     def _number(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
-        _, index, phase = top
-        integer = self.nodes[index].kind == "integer"
-        nxt = None
-        if ch in DIGITS:
-            nxt = ("zero" if ch == "0" else "int") if phase == "minus" else _NUMBER_NEXT.get(phase)
-        elif ch == "." and phase in ("zero", "int") and not integer:
-            nxt = "dot"
-        elif ch in "eE" and phase in ("zero", "int", "frac") and not integer:
-            nxt = "exp"
-        elif ch in "+-" and phase == "exp":
-            nxt = "expsign"
+        _, index, phase, digits = top
+        nxt = number_step(phase, digits, ch, integer=self.nodes[index].kind == "integer")
         if nxt is not None:
-            return [(below + (("n", index, nxt),), 0)]
-        return self._then(below, ch) if phase in _NUMBER_ENDS else []
+            return [(below + (("n", index, *nxt),), 0)]
+        return self._then(below, ch) if phase in NUMBER_ENDS else []
 
     def _object(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
         _, index, phase, first, written = top

@@ -60,6 +60,13 @@ def test_the_grammar_refuses_what_is_not_one_json_object(text):
     assert not JsonGrammar().accepts(text)
 
 
+def test_number_parts_are_bounded_so_a_repeating_digit_cannot_run_to_max_tokens():
+    grammar = JsonGrammar()
+    assert grammar.accepts('{"a":' + "9" * 19 + "." + "5" * 19 + "e-123}")
+    assert not grammar.accepts('{"a":' + "9" * 20 + "}") and not grammar.accepts('{"a":1.' + "5" * 20 + "}")
+    assert not grammar.accepts('{"a":1e1234}')
+
+
 def test_whitespace_runs_and_nesting_are_bounded():
     grammar = JsonGrammar(max_depth=3, max_whitespace=4)
     assert grammar.accepts('{"a":    [[1]]}') and not grammar.accepts('{"a":     1}')

@@ -129,6 +129,12 @@ def test_a_constraint_that_allows_no_token_ends_its_answer_not_the_engine(json_e
     assert len(plain.token_ids) == 8 or plain.finish_reason == FinishReason.STOP
 
 
+def test_numbers_have_at_most_19_digits_a_part():
+    grammar = _grammar(TREE)
+    assert grammar.accepts('{"v":' + "1" * 19 + ',"kids":[]}')
+    assert not grammar.accepts('{"v":' + "1" * 20 + ',"kids":[]}')
+
+
 def test_properties_come_in_the_schemas_order():
     """A subset of what the schema allows, as OpenAI writes it: valid out of order, not admitted."""
     text = '{"age":3,"name":"x"}'
