@@ -80,8 +80,8 @@ class StreamOptions(BaseModel):
 class _RequestFields(BaseModel):
     """The sampling and streaming fields both endpoints take. Unknown fields are ignored, as OpenAI's
     optional knobs that do not change the answer (user, metadata, store, ...) should be; the ones
-    that would change it and are not implemented (per endpoint tools, suffix, best_of) are declared so
-    that anything but their neutral value is a 400."""
+    that would change it and are not implemented (per endpoint: functions and function_call, suffix,
+    best_of) are declared so that anything but their neutral value is a 400."""
 
     model_config = ConfigDict(extra="ignore")
 
