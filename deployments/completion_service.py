@@ -287,6 +287,14 @@ class CompletionService:
         if self.observer is not None:
             self.observer.answered(mode, planned, fell_back, time.perf_counter() - started)
 
+    def _observe_plain(self, request: OpenAIRequest, started: float) -> None:
+        """A plain answer, and the format it was held to, if any."""
+        self._observe(PLAIN_MODE, False, False, started)
+        asked = request.formats_asked()
+        if asked and self.observer is not None:
+            field, (constraint, _) = asked[0]
+            self.observer.formatted("tool_calls" if field == "tool_choice" else constraint)
+
     def _check_choices(self, request: OpenAIRequest) -> None:
         """n and logprobs are for plain answers: a planned one is one text assembled from its nodes."""
         prompts = len(request.prompts)
@@ -337,7 +345,7 @@ class CompletionService:
         choices = [c for r in engine_requests for c in choice_requests(r, request.n)]
         with self._holding(len(choices)):
             results = await _all(self.engine.generate(c) for c in choices)
-        self._observe(PLAIN_MODE, False, False, started)
+        self._observe_plain(request, started)
         if isinstance(request, CompletionRequest):
             if request.max_tokens == 0:
                 results = [scored_only(r) for r in results]
@@ -421,7 +429,7 @@ class CompletionService:
                     self.observer.first_token(time.perf_counter() - started)
                 first = False
                 yield chunk.piece(text, index=index, logprobs=logprobs)
-        self._observe(PLAIN_MODE, False, False, started)
+        self._observe_plain(request, started)
         if request.include_usage:
             ordered = [results[i] for i in range(len(choices))]
             yield chunk.model_copy(update={"choices": [], "usage": _usage(ordered, request.n)}).model_dump()

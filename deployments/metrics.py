@@ -59,6 +59,8 @@ class AnswerMetrics:
                               boundaries=SECONDS_BOUNDARIES)
         self.latency = Histogram("plato_request_latency_seconds", "Seconds from request to full answer.",
                                  boundaries=SECONDS_BOUNDARIES)
+        self.formats = Counter("plato_formatted_answers_total", "Answers held to a format by constrained decoding: "
+                               "json_object, json_schema, choice or tool_calls.", tag_keys=("format",))
 
     def answered(self, mode: str, planned: bool, fell_back: bool, latency_s: float) -> None:
         self.answers.inc(tags={"mode": mode})
@@ -70,6 +72,9 @@ class AnswerMetrics:
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
+
+    def formatted(self, kind: str) -> None:
+        self.formats.inc(tags={"format": kind})
 
 
 class DecoderMetrics:

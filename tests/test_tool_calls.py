@@ -171,3 +171,30 @@ def test_a_conversation_with_calls_and_results_is_tokenized_as_it_is_answered(se
     assert engine_request.prompt_ids == tokens and len(tokens) > 10
     reply = asyncio.run(service.complete(request)).choices[0]
     assert reply.message.tool_calls is None and reply.finish_reason in ("stop", "length")
+
+
+def test_the_observer_counts_answers_by_the_format_they_were_held_to(service):
+    class Recorder:
+        def __init__(self):
+            self.formats, self.answers = [], 0
+
+        def answered(self, mode, planned, fell_back, latency_s):
+            self.answers += 1
+
+        def first_token(self, seconds):
+            pass
+
+        def formatted(self, kind):
+            self.formats.append(kind)
+
+    recorder = Recorder()
+    service.observer = recorder
+    try:
+        _ask(service, tool_choice="none", guided_choice=["yes", "no"])
+        _ask(service, tool_choice={"type": "function", "function": {"name": "weather"}}, stream=True)
+        _ask(service, tool_choice="none", response_format={"type": "json_schema", "json_schema": {
+            "name": "w", "schema": WEATHER["function"]["parameters"]}}, max_tokens=20)
+        _ask(service, tool_choice="none", max_tokens=2)
+    finally:
+        service.observer = None
+    assert recorder.formats == ["choice", "tool_calls", "json_schema"] and recorder.answers == 4
