@@ -32,7 +32,7 @@ from deployments.openai_schema import (
 )
 from deployments.openai_logprobs import chat_logprobs
 from deployments.text_completions import Echo, StreamedText, scored_only, text_choice
-from deployments.tool_calls import template_messages, tool_calls
+from deployments.tool_calls import may_be_calls, tagged_calls, template_messages, tool_calls
 from engine.async_engine import AsyncEngine
 from engine.base import chat_ids, template_renders_tools
 from engine.constraints import make_constraint
@@ -70,11 +70,19 @@ def choice_requests(request: GenerationRequest, n: int) -> list[GenerationReques
 
 def _message(request: ChatCompletionRequest, result: Result) -> AssistantMessage:
     """The assistant's message: the answer's text, or the tool calls it makes (its text, should it be
-    cut before it is whole)."""
-    if not request.calls_tools:
-        return AssistantMessage(content=result.text)
-    made = tool_calls(result.text, request.tool_choice)
+    cut before they are whole)."""
+    if request.calls_tools:
+        made = tool_calls(result.text, request.tool_choice)
+    elif request.may_call_tools:
+        made = tagged_calls(result.text)
+    else:
+        made = None
     return AssistantMessage(content=None, tool_calls=made) if made is not None else AssistantMessage(content=result.text)
+
+
+def _chat_finish(request: ChatCompletionRequest, result: Result, message: AssistantMessage) -> str:
+    """'tool_calls' where the model chose to call ('auto'), as OpenAI and vLLM say; else the result's."""
+    return "tool_calls" if request.may_call_tools and message.tool_calls else _finish(result)
 
 
 async def _all(calls) -> list:
@@ -311,7 +319,8 @@ class CompletionService:
         if isinstance(request, ChatCompletionRequest) and request.tools and self._planned(request):
             raise RequestError("tools", f"a planned answer (mode '{request.mode}') is assembled from its parts as "
                                "text; send tools with mode 'ar'")
-        if isinstance(request, ChatCompletionRequest) and request.calls_tools and request.stream and request.logprobs:
+        if (isinstance(request, ChatCompletionRequest) and (request.calls_tools or request.may_call_tools)
+                and request.stream and request.logprobs):
             raise RequestError("logprobs", "a streamed answer of tool calls sends the calls whole, without token "
                                "log probabilities; ask for them without stream")
         if request.logprobs_asked is not None and self._planned(request):
@@ -352,9 +361,10 @@ class CompletionService:
             echoes = await self._echoes(request, engine_requests)
             text_choices = [text_choice(i, r, echoes[i // request.n], _finish(r)) for i, r in enumerate(results)]
             return TextCompletion(model=self.model_name, choices=text_choices, usage=_usage(results, request.n))
-        choices = [Choice(index=i, message=_message(request, r), finish_reason=_finish(r),
+        messages = [_message(request, r) for r in results]
+        choices = [Choice(index=i, message=m, finish_reason=_chat_finish(request, r, m),
                           logprobs=chat_logprobs(r.logprobs) if r.logprobs is not None else None)
-                   for i, r in enumerate(results)]
+                   for i, (r, m) in enumerate(zip(results, messages))]
         return ChatCompletionResponse(model=self.model_name, choices=choices, usage=_usage(results, request.n),
                                       mode=PLAIN_MODE)
 
@@ -409,14 +419,18 @@ class CompletionService:
             for index in range(request.n):
                 yield chunk.opening(index)
         first, results = True, {}
-        calls = isinstance(request, ChatCompletionRequest) and request.calls_tools
+        chat = isinstance(request, ChatCompletionRequest)
+        calls = chat and request.calls_tools
+        held = {i: "" for i in range(len(choices))} if chat and request.may_call_tools else {}
         async for index, item in self._events(choices):
             if isinstance(item, Result):
                 results[index] = item if texts is None or texts[index].generates else scored_only(item)
-                if calls:  # the calls are read from the whole answer, then sent whole
-                    message = _message(request, item)
+                message = _message(request, item) if chat else None
+                if calls or index in held:  # calls (or text held back until it could not be one) go whole
+                    held.pop(index, None)
                     yield chunk.calls(message.tool_calls, message.content, index)
-                yield chunk.piece("", _finish(results[index]), index)
+                finish = _chat_finish(request, item, message) if chat else _finish(results[index])
+                yield chunk.piece("", finish, index)
                 continue
             if calls:
                 continue
@@ -424,6 +438,11 @@ class CompletionService:
                 text, logprobs = texts[index].piece(item)
             else:
                 text, logprobs = item.text, chat_logprobs(item.logprobs) if item.logprobs is not None else None
+            if index in held:  # 'auto': hold text back while it may still open a tool call
+                held[index] += text
+                if may_be_calls(held[index]):
+                    continue
+                text = held.pop(index)
             if text or logprobs:
                 if first and self.observer is not None:
                     self.observer.first_token(time.perf_counter() - started)

@@ -134,8 +134,8 @@ def _check(raw: dict, number: int, where: str) -> InputRow:
     if (checked.prompt is None) == (checked.messages is None):
         row.error = f"{where}: {'give prompt or messages, not both' if checked.prompt else 'no prompt or messages'}"
         return row
-    if raw.get("tool_choice") not in (None, "none"):
-        row.error = f"{where}: tool_choice: a job row's answer is text, not tool calls; leave tool_choice out or 'none'"
+    if raw.get("tools") and raw.get("tool_choice") != "none":  # 'auto', the default with tools, may call
+        row.error = f"{where}: tool_choice: a job row's answer is text, not tool calls; set tool_choice to 'none'"
         return row
     more = [k for k, neutral in _ONE_ANSWER.items() if raw.get(k) not in (None, *neutral)]
     if more:

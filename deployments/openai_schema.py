@@ -9,12 +9,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from deployments.tool_calls import NamedToolChoice, ToolSpec, calls_schema
+from deployments.tool_calls import NamedToolChoice, ToolSpec, call_schema, calls_schema
 from engine.choice_constraint import MAX_CHOICES
 from engine.json_schema import compile_schema
 from graph.orchestrator import Mode, RequestMode
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 MAX_STOPS = 16  # above OpenAI's 4: lm-evaluation-harness sends a task's stop sequences and the end of sequence
 
 
@@ -234,11 +234,11 @@ class ChatCompletionRequest(_RequestFields):
     top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: also the this-many most "
                                      "likely tokens at each place.")
     tools: list[ToolSpec] | None = Field(None, description="Functions the model may call (deployments.tool_calls).")
-    parallel_tool_calls: bool = Field(True, description="With 'required': false allows one call only.")
+    parallel_tool_calls: bool = Field(True, description="With 'required' or 'auto': false allows one call only.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, validate_default=True, description="'required' or a named function: the answer is tool calls, by "
-        "constrained decoding; 'none': a plain answer. 'auto' (the default with tools) needs a tool-call parser "
-        "this server does not have: a 400, as vLLM's without --enable-auto-tool-choice.")
+        None, validate_default=True, description="'required' or a named function: the answer is tool calls; "
+        "'auto' (the default with tools): text or calls, as the model decides, calls written in <tool_call> tags "
+        "and held to the tools' schemas; 'none': a plain answer (deployments.tool_calls).")
     functions: list | None = Field(None, description="OpenAI's older tools field; must be absent, null or [].")
     function_call: str | dict | None = Field(None, description="Only 'none' (use tools and tool_choice).")
 
@@ -286,8 +286,8 @@ class ChatCompletionRequest(_RequestFields):
         if not tools:
             raise ValueError(f"{_choice_name(value)} needs tools")
         if value == "auto":
-            raise ValueError("'auto' (the default when tools are given) needs a parser of the model's own tool-call "
-                             "syntax, which this server does not have; send 'required', a named function, or 'none'")
+            compile_schema(call_schema(tools))
+            return value
         if isinstance(value, NamedToolChoice) and value.function.name not in {t.function.name for t in tools}:
             raise ValueError(f"{value.function.name!r} is not among the tools")
         compile_schema(calls_schema(tools, value, info.data.get("parallel_tool_calls", True)))
@@ -298,10 +298,18 @@ class ChatCompletionRequest(_RequestFields):
         """The answer is tool calls ('required' or a named function)."""
         return self.tool_choice not in (None, "none", "auto")
 
+    @property
+    def may_call_tools(self) -> bool:
+        """The answer is text or tool calls, as the model decides ('auto')."""
+        return self.tool_choice == "auto"
+
     def formats_asked(self) -> list[tuple[str, tuple[str, dict | None]]]:
-        if not self.calls_tools:
+        if self.calls_tools:
+            calls = ("json_schema", calls_schema(self.tools, self.tool_choice, self.parallel_tool_calls))
+        elif self.may_call_tools:
+            calls = ("tool_calls_or_text", {"call_schema": call_schema(self.tools), "parallel": self.parallel_tool_calls})
+        else:
             return super().formats_asked()
-        calls = ("json_schema", calls_schema(self.tools, self.tool_choice, self.parallel_tool_calls))
         return [("tool_choice", calls), *super().formats_asked()]
 
     @property

@@ -1,14 +1,15 @@
-"""Tool calling (OpenAI's `tools` and `tool_choice`), the way vLLM serves it without a model-specific
-tool-call parser: by constrained decoding.
+"""Tool calling (OpenAI's `tools` and `tool_choice`) by constrained decoding.
 
 - `tool_choice: {"type": "function", "function": {"name": N}}`: the answer is N's arguments, decoded
   under its `parameters` schema; the response carries one call to N.
 - `tool_choice: "required"`: the answer is a JSON list of calls, `[{"name": ..., "parameters": {...}}]`,
   each one a tool of the request with arguments that validate against its schema (one call at most
   with `parallel_tool_calls: false`); the response carries them as `tool_calls`.
+- `"auto"` (OpenAI's default when tools are given): text, or calls written as Hermes-style models
+  write them, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (vLLM's `hermes` parser
+  reads the same); once the answer opens a call, the call is held to the tools' schemas
+  (engine.tool_call_constraint), so a call is never malformed; text is left free.
 - `"none"`: a plain answer; the tools are still shown to the model.
-- `"auto"` (OpenAI's default when tools are given) needs a parser of the model's own tool-call
-  syntax, which this server does not have: a 400, as vLLM without `--enable-auto-tool-choice` answers.
 
 A model whose chat template renders `tools` gets them through it; for one whose template does not
 (the embedded SmolLM2's), the tools and the expected answer are described in a system message, and
@@ -17,10 +18,13 @@ earlier calls and their results in the conversation are written as text it can r
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Literal
 
 from pydantic import BaseModel, Field
+
+from engine.tool_call_constraint import CLOSE, OPEN
 
 CALLS_FORMAT = 'a JSON list of calls, each {"name": the function\'s name, "parameters": its arguments}'
 
@@ -49,10 +53,21 @@ class NamedToolChoice(BaseModel):
 
 def calls_schema(tools: list[ToolSpec], choice: str | NamedToolChoice, parallel: bool) -> dict:
     """The JSON Schema the answer is decoded under: the named function's parameters, or for
-    "required" a list of calls to any of the tools. Each tool's $defs move to the list's root,
-    renamed, with its references rewritten to them."""
+    "required" a list of calls to any of the tools."""
     if isinstance(choice, NamedToolChoice):
         return next(t.function.parameters for t in tools if t.function.name == choice.function.name)
+    schema = {"type": "array", "items": call_schema(tools, "parameters"), "minItems": 1}
+    schema["$defs"] = schema["items"].pop("$defs", {})
+    if not schema["$defs"]:
+        del schema["$defs"]
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def call_schema(tools: list[ToolSpec], arguments_key: str = "arguments") -> dict:
+    """The JSON Schema of one call to any of the tools: {"name": its name, `arguments_key`: its
+    arguments}. Each tool's $defs move to the root, renamed, with its references rewritten to them."""
     definitions, options = {}, []
     for i, tool in enumerate(tools):
         prefix, parameters = f"tool{i}-", dict(tool.function.parameters)
@@ -60,11 +75,9 @@ def calls_schema(tools: list[ToolSpec], choice: str | NamedToolChoice, parallel:
             for name, body in (parameters.pop(where, None) or {}).items():
                 definitions[prefix + name] = _prefixed_refs(body, prefix)
         options.append({"type": "object", "properties": {"name": {"const": tool.function.name},
-                                                         "parameters": _prefixed_refs(parameters, prefix)},
-                        "required": ["name", "parameters"], "additionalProperties": False})
-    schema = {"type": "array", "items": {"anyOf": options}, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
+                                                         arguments_key: _prefixed_refs(parameters, prefix)},
+                        "required": ["name", arguments_key], "additionalProperties": False})
+    schema = {"anyOf": options}
     if definitions:
         schema["$defs"] = definitions
     return schema
@@ -97,6 +110,29 @@ def tool_calls(text: str, choice: str | NamedToolChoice) -> list[dict] | None:
     return [_call(call["name"], call["parameters"]) for call in answer]
 
 
+def tagged_calls(text: str) -> list[dict] | None:
+    """The calls of an 'auto' answer that makes them (`<tool_call>{"name", "arguments"}</tool_call>`
+    blocks; engine.tool_call_constraint), in OpenAI's shape; None for a text answer, or one cut
+    before its calls are whole."""
+    if not text.lstrip().startswith(OPEN):
+        return None
+    blocks = re.findall(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), text, flags=re.DOTALL)
+    try:
+        calls = [json.loads(block) for block in blocks]
+    except ValueError:
+        return None
+    rest = re.sub(re.escape(OPEN) + r".*?" + re.escape(CLOSE), "", text, flags=re.DOTALL)
+    if not calls or rest.strip():  # an unclosed call
+        return None
+    return [_call(call["name"], call["arguments"]) for call in calls]
+
+
+def may_be_calls(text: str) -> bool:
+    """So far, an 'auto' answer could still be calls: it is empty or the opening tag's beginning."""
+    lead = text.lstrip()
+    return lead.startswith(OPEN) or OPEN.startswith(lead)
+
+
 def _call(name: str, arguments) -> dict:
     """One call; its arguments written as JSON text the same way whatever whitespace the model put in."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -111,6 +147,9 @@ def tools_text(tools: list[ToolSpec], choice: str | NamedToolChoice | None) -> s
         ask = f"Call {choice.function.name}: answer with its arguments as one JSON object."
     elif choice == "required":
         ask = f"Call one or more of them: answer with {CALLS_FORMAT}."
+    elif choice == "auto":
+        ask = (f"To call one, answer with {OPEN}{{\"name\": the function's name, \"arguments\": its arguments}}"
+               f"{CLOSE}, one such block a call, and nothing else; otherwise answer in text.")
     else:
         ask = f"To call them, answer with {CALLS_FORMAT}."
     return f"You can call these functions:\n{described}\n{ask}"
@@ -126,9 +165,7 @@ def template_messages(messages: list[dict], tools: list[ToolSpec] | None, choice
     for message in messages:
         calls = message.get("tool_calls")
         if calls:
-            written = [{"name": c["function"]["name"], "parameters": _arguments(c["function"].get("arguments"))}
-                       for c in calls]
-            text = json.dumps(written, ensure_ascii=False)
+            text = _calls_text(calls, choice)
             message = {"role": message["role"], "content": f"{message['content']}\n{text}" if message.get("content")
                        else text}
         else:
@@ -141,6 +178,15 @@ def template_messages(messages: list[dict], tools: list[ToolSpec] | None, choice
         else:
             out.insert(0, {"role": "system", "content": text})
     return out, None
+
+
+def _calls_text(calls: list[dict], choice) -> str:
+    """Earlier calls written as the model is asked to write calls now."""
+    if choice == "auto":
+        return "".join(f"{OPEN}" + json.dumps({"name": c["function"]["name"], "arguments": _arguments(
+            c["function"].get("arguments"))}, ensure_ascii=False) + CLOSE for c in calls)
+    return json.dumps([{"name": c["function"]["name"], "parameters": _arguments(c["function"].get("arguments"))}
+                       for c in calls], ensure_ascii=False)
 
 
 def _arguments(arguments):

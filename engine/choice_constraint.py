@@ -37,22 +37,12 @@ class ChoiceGrammar(CharGrammar):
         return state != DONE and state[0] in self.choices
 
 
-class ChoiceConstraint(TokenConstraint):
-    """Token-level `ChoiceGrammar` for one sequence (registered in the engine as "choice"; its
-    argument {"choices": [...]}). ValueError for no choices, an empty one, too many, or one the
-    tokenizer cannot spell."""
+class StopWhereGrammarMayEnd(TokenConstraint):
+    """A character grammar lifted to tokens (the shared masks of `engine.json_constraint`), with the
+    end of sequence allowed wherever the grammar's `may_end(state)` says the answer may stop.
+    Subclasses set `grammar`, `_vocab`, `stops` and `state`, and name what is written in `WHAT`."""
 
-    def __init__(self, tokenizer, arg: dict):
-        choices = tuple(dict.fromkeys(arg.get("choices") or ()))
-        if not choices or len(choices) > MAX_CHOICES or not all(isinstance(c, str) and c for c in choices):
-            raise ValueError(f"choices: 1 to {MAX_CHOICES} non-empty strings")
-        self._vocab = token_vocab(tokenizer)
-        unspellable = [c for c in choices if not self._vocab.spells(c)]
-        if unspellable:
-            raise ValueError(f"the tokenizer cannot spell the choice {unspellable[0]!r}")
-        self.grammar = ChoiceGrammar(choices)
-        self.stops = [t for t in (tokenizer.eos_token_id,) if t is not None]
-        self.state: tuple = self.grammar.start
+    WHAT = "this answer"
 
     def allowed(self) -> torch.Tensor:
         mask = self._vocab.mask(self.grammar, self.state)
@@ -65,8 +55,28 @@ class ChoiceConstraint(TokenConstraint):
         piece = self._vocab.strings[token_id] if 0 <= token_id < self._vocab.size else ""
         state = self.grammar.run(self.state, piece) if piece else None
         if state is None:
-            raise ValueError(f"token {token_id} ({piece!r}) does not continue any choice after {self.state[0]!r}")
+            raise ValueError(f"token {token_id} ({piece!r}) cannot come next in {self.WHAT}")
         self.state = state
+
+
+class ChoiceConstraint(StopWhereGrammarMayEnd):
+    """Token-level `ChoiceGrammar` for one sequence (registered in the engine as "choice"; its
+    argument {"choices": [...]}). ValueError for no choices, an empty one, too many, or one the
+    tokenizer cannot spell."""
+
+    WHAT = "any choice"
+
+    def __init__(self, tokenizer, arg: dict):
+        choices = tuple(dict.fromkeys(arg.get("choices") or ()))
+        if not choices or len(choices) > MAX_CHOICES or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError(f"choices: 1 to {MAX_CHOICES} non-empty strings")
+        self._vocab = token_vocab(tokenizer)
+        unspellable = [c for c in choices if not self._vocab.spells(c)]
+        if unspellable:
+            raise ValueError(f"the tokenizer cannot spell the choice {unspellable[0]!r}")
+        self.grammar = ChoiceGrammar(choices)
+        self.stops = [t for t in (tokenizer.eos_token_id,) if t is not None]
+        self.state: tuple = self.grammar.start
 
     @property
     def is_complete(self) -> bool:

@@ -20,6 +20,7 @@ CONSTRAINTS: dict[str, str] = {
     "json_object": "engine.json_constraint:JsonObjectConstraint",
     "json_schema": "engine.json_schema_constraint:JsonSchemaConstraint",
     "choice": "engine.choice_constraint:ChoiceConstraint",
+    "tool_calls_or_text": "engine.tool_call_constraint:ToolCallOrTextConstraint",
 }
 
 

@@ -29,7 +29,7 @@ def test_a_whole_choice_a_longer_one_extends_may_end_or_go_on(json_tokenizer):  
     allowed = {json_tokenizer.convert_ids_to_tokens(i) for i in constraint.allowed().nonzero()[:, 0].tolist()}
     assert allowed == {"<|im_end|>", " "}  # the end of sequence, or the space that goes on to " please"
     assert not constraint.is_complete
-    with pytest.raises(ValueError, match="does not continue any choice"):
+    with pytest.raises(ValueError, match="cannot come next in any choice"):
         constraint.advance(json_tokenizer.convert_tokens_to_ids("x"))
 
 

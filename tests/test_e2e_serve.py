@@ -174,6 +174,10 @@ def test_openai_client_gets_tool_calls_and_answers_from_the_tools_result(server)
                          {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
     answer = _ask_openai(server, messages=follow_up, tools=[weather], tool_choice="none", max_tokens=32)
     assert "18" in answer.choices[0].message.content
+    auto = _ask_openai(server, messages=asked, tools=[weather], max_tokens=24).choices[0]  # 'auto', the default
+    for call in auto.message.tool_calls or []:  # the 135M model answers in text; a call would be whole and valid
+        assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    assert (auto.message.content or auto.message.tool_calls) and auto.finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_scores_continuations_as_lm_evaluation_harness_asks(server):

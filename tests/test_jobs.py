@@ -203,7 +203,7 @@ def test_the_apis_other_fields_go_to_the_server_and_what_one_answer_cannot_hold_
         f"line {i}: {field}: a job row gets one answer, written without log probabilities, plan or streaming; "
         f"leave {field} out" for i, field in ((2, "n"), (3, "stream"), (4, "logprobs"))]
     assert rows[4].error is None and rows[4].request["n"] == 1
-    assert rows[5].error == "line 6: tool_choice: a job row's answer is text, not tool calls; leave tool_choice out or 'none'"
+    assert rows[5].error == "line 6: tool_choice: a job row's answer is text, not tool calls; set tool_choice to 'none'"
     parquet = str(tmp_path / "in.parquet")
     pq.write_table(pa.table({"prompt": ["x", "y"], "stop": [None, ["!"]]}), parquet)
     assert [r.request for r in read_rows(parquet)] == [

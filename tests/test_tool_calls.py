@@ -74,10 +74,11 @@ def test_a_template_without_tools_gets_them_in_a_system_message_and_earlier_call
 
 @pytest.fixture(scope="module")
 def json_tokenizer():
-    """tests.test_json_constraint's pieces, with a chat template (its json_engine builds on this one here)."""
+    """tests.test_json_constraint's pieces and the tool-call tags', with a chat template (its json_engine
+    builds on this one here)."""
     from bench.random_model import piece_tokenizer
 
-    tokenizer = piece_tokenizer(PIECES)
+    tokenizer = piece_tokenizer(PIECES + ["<", ">", "_", "<tool_call>", "</tool_call>", "<tool", "call>"])
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
 
@@ -133,8 +134,9 @@ def test_required_answers_with_calls_to_the_tools(service):
 
 def test_streamed_calls_come_whole_before_the_finish(service):
     named = {"type": "function", "function": {"name": "weather"}}
-    whole = _ask(service, tool_choice=named, seed=1).choices[0].message
-    chunks = _ask(service, tool_choice=named, seed=1, stream=True)
+    seed = next(seed for seed in range(20) if _ask(service, tool_choice=named, seed=seed).choices[0].message.tool_calls)
+    whole = _ask(service, tool_choice=named, seed=seed).choices[0].message
+    chunks = _ask(service, tool_choice=named, seed=seed, stream=True)
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert deltas[0] == {"role": "assistant"}
     assert not any(d.get("content") for d in deltas)  # no text: the answer is the call
@@ -198,3 +200,77 @@ def test_the_observer_counts_answers_by_the_format_they_were_held_to(service):
     finally:
         service.observer = None
     assert recorder.formats == ["choice", "tool_calls", "json_schema"] and recorder.answers == 4
+
+
+def test_auto_leaves_text_free_and_holds_a_call_once_one_is_opened():
+    from engine.constraints import DONE
+    from engine.tool_call_constraint import END, FREE, ToolCallGrammar
+    from deployments.tool_calls import call_schema
+
+    grammar = ToolCallGrammar(call_schema(TOOLS))
+    assert grammar.run(grammar.start, "Sunny, I think.") == FREE and grammar.run(grammar.start, "<toolbox>") == FREE
+    call = '<tool_call>{"name": "weather", "arguments": {"city": "rome", "unit": "c"}}</tool_call>'
+    after = grammar.run(grammar.start, "\n" + call)
+    assert after == ("lead", 0, 0, True) and grammar.may_end(after)
+    assert grammar.run(after, "and text") is None  # after a call: another call or the end
+    assert grammar.run(after, "\n" + call) == after
+    assert grammar.run(grammar.start, '<tool_call>{"name": "weather", "arguments": {"city": "rome"}}') is None
+    assert grammar.run(grammar.start, '<tool_call>{"name": "oven"') is None
+    single = ToolCallGrammar(call_schema(TOOLS), parallel=False)
+    assert single.run(single.start, call) == END and single.run(single.start, call + "<") is None
+    assert DONE not in (after, END)
+
+
+def test_tagged_calls_are_read_only_from_a_whole_answer_of_calls():
+    from deployments.tool_calls import may_be_calls, tagged_calls
+
+    text = ' <tool_call>{"name": "clock", "arguments": {"at": {"city": "oslo"}}}</tool_call>\n<tool_call>' \
+           '{"name": "weather", "arguments": {"city": "rome", "unit": "f"}}</tool_call>'
+    assert [c["function"] for c in tagged_calls(text)] == [
+        {"name": "clock", "arguments": '{"at": {"city": "oslo"}}'},
+        {"name": "weather", "arguments": '{"city": "rome", "unit": "f"}'}]
+    assert tagged_calls("It is sunny.") is None and tagged_calls(text[:60]) is None
+    assert may_be_calls("") and may_be_calls(" <tool") and may_be_calls(text) and not may_be_calls("<tx")
+
+
+def _tag_bias(service) -> dict:
+    tag = service.engine.engine.tokenizer.convert_tokens_to_ids("<tool_call>")
+    return {str(tag): 100}
+
+
+def test_auto_answers_with_text_or_with_calls_that_validate(service):
+    text = _ask(service, seed=3, max_tokens=8).choices[0]  # tool_choice 'auto': the default with tools
+    assert text.message.tool_calls is None and text.finish_reason in ("stop", "length")
+    made = []
+    for seed in range(4):
+        choice = _ask(service, seed=seed, max_tokens=80, parallel_tool_calls=False,
+                      logit_bias=_tag_bias(service)).choices[0]
+        if choice.message.tool_calls:
+            [call] = choice.message.tool_calls
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            tool = {"weather": WEATHER, "clock": CLOCK}[call["function"]["name"]]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+            made.append(call["function"]["name"])
+        else:  # cut before the call closed: its text, 'length'
+            assert choice.finish_reason == "length" and choice.message.content.startswith("<tool_call>")
+    assert made
+
+
+def test_auto_streams_text_as_it_comes_and_calls_whole(service):
+    def streamed(**fields):
+        chunks = _ask(service, stream=True, **fields)
+        deltas = [c["choices"][0] for c in chunks if c["choices"]]
+        text = "".join(d["delta"].get("content") or "" for d in deltas)
+        calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+        return text, calls, deltas[-1]["finish_reason"]
+
+    whole = _ask(service, seed=3, max_tokens=8).choices[0]
+    assert streamed(seed=3, max_tokens=8) == (whole.message.content, [], whole.finish_reason)
+    bias = _tag_bias(service)
+    whole = _ask(service, seed=1, max_tokens=80, logit_bias=bias).choices[0]
+    text, calls, finish = streamed(seed=1, max_tokens=80, logit_bias=bias)
+    assert finish == whole.finish_reason
+    if whole.message.tool_calls:
+        assert text == "" and [c["function"] for c in calls] == [c["function"] for c in whole.message.tool_calls]
+    else:
+        assert text == whole.message.content and not calls
