@@ -185,7 +185,7 @@ class CompletionService:
         """One engine request per prompt (a chat request has one), checked against the served model
         and the limits."""
         check_model(request.model, self.model_name)
-        if request.formats_asked():
+        if request.formats:
             await self._check_format(request)
         beyond = [t for t in request.logit_bias or {} if int(t) >= self.vocabulary]
         if beyond:
@@ -200,7 +200,7 @@ class CompletionService:
         otherwise, rather than by the engine once the request has gone through the batcher. The
         tokenizer does not change, so JSON's characters are tried once; a schema or choices are tried
         per request (a schema's grammar is kept, so that is quick)."""
-        asked = request.formats_asked()
+        asked = request.formats
         if len(asked) > 1:
             raise RequestError(asked[1][0], f"{asked[0][0]} asks for a format already; ask for one")
         field, (name, arg) = asked[0]
@@ -298,7 +298,7 @@ class CompletionService:
     def _observe_plain(self, request: OpenAIRequest, started: float) -> None:
         """A plain answer, and the format it was held to, if any."""
         self._observe(PLAIN_MODE, False, False, started)
-        asked = request.formats_asked()
+        asked = request.formats
         if asked and self.observer is not None:
             field, (constraint, _) = asked[0]
             self.observer.formatted("tool_calls" if field == "tool_choice" else constraint)
@@ -313,8 +313,8 @@ class CompletionService:
                                "to a request")
         if request.n > 1 and self._planned(request):
             raise RequestError("n", f"a planned answer (mode '{request.mode}') has one choice; ask n > 1 with mode 'ar'")
-        if request.formats_asked() and self._planned(request):
-            raise RequestError(request.formats_asked()[0][0], f"a planned answer (mode '{request.mode}') is assembled "
+        if request.formats and self._planned(request):
+            raise RequestError(request.formats[0][0], f"a planned answer (mode '{request.mode}') is assembled "
                                "from its parts as text; ask for a format with mode 'ar'")
         if isinstance(request, ChatCompletionRequest) and request.tools and self._planned(request):
             raise RequestError("tools", f"a planned answer (mode '{request.mode}') is assembled from its parts as "

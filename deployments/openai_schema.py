@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from functools import cached_property
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -176,8 +177,16 @@ class _RequestFields(BaseModel):
                 raise ValueError("choice: a list of strings")
         return given
 
-    def formats_asked(self) -> list[tuple[str, tuple[str, dict | None]]]:
-        """Each format the request asks for, as (its field, (the engine's constraint, its argument))."""
+    @cached_property
+    def formats(self) -> list[tuple[str, tuple[str, dict | None]]]:
+        """Each format the request asks for, as (its field, (the engine's constraint, its argument)):
+        tool calls first, then the answer's format fields."""
+        return self._tool_formats() + self._text_formats()
+
+    def _tool_formats(self) -> list[tuple[str, tuple[str, dict | None]]]:
+        return []
+
+    def _text_formats(self) -> list[tuple[str, tuple[str, dict | None]]]:
         asked = []
         kind = (self.response_format or {}).get("type", "text")
         if kind == "json_schema":
@@ -198,8 +207,7 @@ class _RequestFields(BaseModel):
     def output_constraint(self) -> tuple[str, dict | None] | None:
         """The engine constraint (and its argument) the answer is decoded under; None for free text.
         When several formats are asked, the first (the service refuses such a request)."""
-        asked = self.formats_asked()
-        return asked[0][1] if asked else None
+        return self.formats[0][1] if self.formats else None
 
     @field_validator("stop")
     @classmethod
@@ -303,14 +311,14 @@ class ChatCompletionRequest(_RequestFields):
         """The answer is text or tool calls, as the model decides ('auto')."""
         return self.tool_choice == "auto"
 
-    def formats_asked(self) -> list[tuple[str, tuple[str, dict | None]]]:
+    def _tool_formats(self) -> list[tuple[str, tuple[str, dict | None]]]:
         if self.calls_tools:
-            calls = ("json_schema", calls_schema(self.tools, self.tool_choice, self.parallel_tool_calls))
-        elif self.may_call_tools:
-            calls = ("tool_calls_or_text", {"call_schema": call_schema(self.tools), "parallel": self.parallel_tool_calls})
-        else:
-            return super().formats_asked()
-        return [("tool_choice", calls), *super().formats_asked()]
+            return [("tool_choice", ("json_schema", calls_schema(self.tools, self.tool_choice,
+                                                                 self.parallel_tool_calls)))]
+        if self.may_call_tools:
+            return [("tool_choice", ("tool_calls_or_text", {"call_schema": call_schema(self.tools),
+                                                            "parallel": self.parallel_tool_calls}))]
+        return []
 
     @property
     def requested_max_tokens(self) -> int | None:

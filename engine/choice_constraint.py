@@ -6,10 +6,8 @@ decides; elsewhere a whole choice ends the answer.
 """
 from __future__ import annotations
 
-import torch
-
-from engine.constraints import DONE, CharGrammar, TokenConstraint
-from engine.json_constraint import token_vocab
+from engine.constraints import DONE, CharGrammar
+from engine.json_constraint import GrammarConstraint
 
 MAX_CHOICES = 256
 
@@ -37,47 +35,13 @@ class ChoiceGrammar(CharGrammar):
         return state != DONE and state[0] in self.choices
 
 
-class StopWhereGrammarMayEnd(TokenConstraint):
-    """A character grammar lifted to tokens (the shared masks of `engine.json_constraint`), with the
-    end of sequence allowed wherever the grammar's `may_end(state)` says the answer may stop.
-    Subclasses set `grammar`, `_vocab`, `stops` and `state`, and name what is written in `WHAT`."""
-
-    WHAT = "this answer"
-
-    def allowed(self) -> torch.Tensor:
-        mask = self._vocab.mask(self.grammar, self.state)
-        if self.stops and self.grammar.may_end(self.state):
-            mask = mask.clone()
-            mask[self.stops] = True
-        return mask
-
-    def advance(self, token_id: int) -> None:
-        piece = self._vocab.strings[token_id] if 0 <= token_id < self._vocab.size else ""
-        state = self.grammar.run(self.state, piece) if piece else None
-        if state is None:
-            raise ValueError(f"token {token_id} ({piece!r}) cannot come next in {self.WHAT}")
-        self.state = state
-
-
-class ChoiceConstraint(StopWhereGrammarMayEnd):
+class ChoiceConstraint(GrammarConstraint):
     """Token-level `ChoiceGrammar` for one sequence (registered in the engine as "choice"; its
     argument {"choices": [...]}). ValueError for no choices, an empty one, too many, or one the
     tokenizer cannot spell."""
-
-    WHAT = "any choice"
 
     def __init__(self, tokenizer, arg: dict):
         choices = tuple(dict.fromkeys(arg.get("choices") or ()))
         if not choices or len(choices) > MAX_CHOICES or not all(isinstance(c, str) and c for c in choices):
             raise ValueError(f"choices: 1 to {MAX_CHOICES} non-empty strings")
-        self._vocab = token_vocab(tokenizer)
-        unspellable = [c for c in choices if not self._vocab.spells(c)]
-        if unspellable:
-            raise ValueError(f"the tokenizer cannot spell the choice {unspellable[0]!r}")
-        self.grammar = ChoiceGrammar(choices)
-        self.stops = [t for t in (tokenizer.eos_token_id,) if t is not None]
-        self.state: tuple = self.grammar.start
-
-    @property
-    def is_complete(self) -> bool:
-        return self.state == DONE
+        super().__init__(tokenizer, ChoiceGrammar(choices), characters=set(), texts=choices, writes="any choice")

@@ -25,6 +25,7 @@ from engine.types import FinishReason, GenerationRequest, Result, TokenEvent, To
 log = logging.getLogger(__name__)
 SCORED_ROWS_AT_ONCE = 256  # a scored prompt's rows turned into logits together (engine.llama.LogitRows)
 
+
 @dataclass
 class _Sequence:
     request: GenerationRequest

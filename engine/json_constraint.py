@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -221,33 +222,49 @@ def token_vocab(tokenizer) -> _Vocab:
     if vocab is None:
         vocab = _VOCABS[tokenizer] = _Vocab(tokenizer)
     return vocab
+
+
 JSON_CHARACTERS = set('{}[]:,"\\ ' + DIGITS + "-.eE+" + "truefalsn" + HEX)
 
 
 class GrammarConstraint(TokenConstraint):
-    """A JSON grammar lifted to tokens for one sequence. The first one built for a tokenizer decodes its
-    whole vocabulary (about a second for 49k tokens); later ones share that work and the masks.
-    ValueError when the tokenizer lacks a one-character token for a character of JSON's syntax, since
-    then some states could have no token."""
+    """A character grammar lifted to tokens for one sequence: JSON's, a schema's, choices, tool calls.
+    The first one built for a tokenizer decodes its whole vocabulary (about a second for 49k tokens);
+    later ones share that work and the masks. The end of sequence is allowed where the grammar's
+    `may_end(state)`, if it has one, says the answer may stop there (elsewhere the answer ends at DONE).
 
-    def __init__(self, tokenizer, grammar: CharGrammar):
-        self.grammar = grammar
+    ValueError when the tokenizer lacks a one-character token for one of `characters` (then some state
+    could have no token), or cannot spell one of `texts` (keys, enum values, choices the grammar must
+    write whole). `writes` names what is written, for the errors."""
+
+    def __init__(self, tokenizer, grammar: CharGrammar, characters: set[str] = JSON_CHARACTERS,
+                 texts: Iterable[str] = (), writes: str = "this JSON answer"):
+        self.grammar, self.writes = grammar, writes
         self._vocab = vocab = token_vocab(tokenizer)
-        missing = sorted(JSON_CHARACTERS - vocab.single_chars)
+        missing = sorted(characters - vocab.single_chars)
         if missing:
-            raise ValueError(f"the tokenizer has no one-character token for {missing}, needed to write JSON")
+            raise ValueError(f"the tokenizer has no one-character token for {missing}, needed to write {writes}")
+        unspellable = next((t for t in texts if not vocab.spells(t)), None)
+        if unspellable is not None:
+            raise ValueError(f"the tokenizer cannot spell {unspellable!r}, needed to write {writes}")
+        self.stops = [t for t in (tokenizer.eos_token_id,) if t is not None]
         self.state = self.grammar.start
         self.text = ""
 
     def allowed(self) -> torch.Tensor:
-        return self._vocab.mask(self.grammar, self.state)
+        mask = self._vocab.mask(self.grammar, self.state)
+        may_end = getattr(self.grammar, "may_end", None)
+        if self.stops and may_end is not None and may_end(self.state):
+            mask = mask.clone()
+            mask[self.stops] = True
+        return mask
 
     def advance(self, token_id: int) -> None:
         vocab = self._vocab
         piece = vocab.strings[token_id] if 0 <= token_id < vocab.size else ""
         state = self.grammar.run(self.state, piece) if piece else None
         if state is None:
-            raise ValueError(f"token {token_id} ({piece!r}) cannot come next in this JSON answer, after "
+            raise ValueError(f"token {token_id} ({piece!r}) cannot come next in {self.writes}, after "
                              f"{self.text[-40:]!r}")
         self.state = state
         self.text += piece

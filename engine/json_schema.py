@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "discriminator"}
@@ -276,12 +275,6 @@ def compile_schema(schema) -> Program:
             raise ValueError(f"schema: the answer must be an object or an array (wrap a {node.kind} in an "
                              "object's property)")
     return program
-
-
-@lru_cache(maxsize=64)
-def compiled(schema_text: str) -> Program:
-    """`compile_schema` of a schema given as JSON text, kept for the requests that send it again."""
-    return compile_schema(json.loads(schema_text))
 
 
 def schema_key(schema) -> str:

@@ -12,13 +12,14 @@ computed once (masks are cached per state, as in JSON mode, whose token lift thi
 """
 from __future__ import annotations
 
+import json
 import math
 from functools import lru_cache
 
 from engine.constraints import DONE, CharGrammar
 from engine.json_constraint import (ESCAPES, HEX, NUMBER_ENDS, WHITESPACE, GrammarConstraint, number_start,
                                     number_step)
-from engine.json_schema import Program, compiled, schema_key
+from engine.json_schema import Program, compile_schema, schema_key
 
 
 
@@ -223,7 +224,7 @@ class SchemaGrammar(CharGrammar):
 @lru_cache(maxsize=64)
 def schema_grammar(schema_text: str) -> SchemaGrammar:
     """One grammar per schema text, so its masks are shared by every request that sends it."""
-    return SchemaGrammar(compiled(schema_text))
+    return SchemaGrammar(compile_schema(json.loads(schema_text)))
 
 
 class JsonSchemaConstraint(GrammarConstraint):
@@ -232,7 +233,5 @@ class JsonSchemaConstraint(GrammarConstraint):
     the tokenizer cannot spell JSON or one of the schema's keys and enum values."""
 
     def __init__(self, tokenizer, schema):
-        super().__init__(tokenizer, schema_grammar(schema_key(schema)))
-        unspellable = [t for t in self.grammar.literal_texts() if not self._vocab.spells(t)]
-        if unspellable:
-            raise ValueError(f"the tokenizer cannot spell {unspellable[0]!r}, which the schema asks for")
+        grammar = schema_grammar(schema_key(schema))
+        super().__init__(tokenizer, grammar, texts=grammar.literal_texts(), writes="this schema's JSON")

@@ -15,9 +15,8 @@ from functools import lru_cache
 
 import torch
 
-from engine.choice_constraint import StopWhereGrammarMayEnd
 from engine.constraints import DONE, CharGrammar
-from engine.json_constraint import JSON_CHARACTERS, WHITESPACE, token_vocab
+from engine.json_constraint import JSON_CHARACTERS, WHITESPACE, GrammarConstraint
 from engine.json_schema import schema_key
 from engine.json_schema_constraint import schema_grammar
 
@@ -84,24 +83,15 @@ def _grammar(call_schema_text: str, parallel: bool) -> ToolCallGrammar:
     return ToolCallGrammar(json.loads(call_schema_text), parallel)
 
 
-class ToolCallOrTextConstraint(StopWhereGrammarMayEnd):
+class ToolCallOrTextConstraint(GrammarConstraint):
     """Token-level `ToolCallGrammar` for one sequence (registered in the engine as "tool_calls_or_text";
     its argument {"call_schema": the JSON Schema of one call, {"name", "arguments"}, "parallel": false
     for one call at most})."""
 
-    WHAT = "this answer of tool calls"
-
     def __init__(self, tokenizer, arg: dict):
-        self.grammar = _grammar(schema_key(arg["call_schema"]), bool(arg.get("parallel", True)))
-        self._vocab = token_vocab(tokenizer)
-        missing = sorted((JSON_CHARACTERS | set(OPEN + CLOSE)) - self._vocab.single_chars)
-        if missing:
-            raise ValueError(f"the tokenizer has no one-character token for {missing}, needed to write tool calls")
-        unspellable = [t for t in self.grammar.calls.literal_texts() if not self._vocab.spells(t)]
-        if unspellable:
-            raise ValueError(f"the tokenizer cannot spell {unspellable[0]!r}, which the tools ask for")
-        self.stops = [t for t in (tokenizer.eos_token_id,) if t is not None]
-        self.state: tuple = self.grammar.start
+        grammar = _grammar(schema_key(arg["call_schema"]), bool(arg.get("parallel", True)))
+        super().__init__(tokenizer, grammar, characters=JSON_CHARACTERS | set(OPEN + CLOSE),
+                         texts=grammar.calls.literal_texts(), writes="this answer of tool calls")
 
     def allowed(self) -> torch.Tensor | None:
         return None if self.state == FREE else super().allowed()
