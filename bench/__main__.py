@@ -9,6 +9,7 @@ import sys
 SCENARIOS = {
     "choices": "bench.choices_bench",
     "engine": "bench.engine_bench",
+    "formats": "bench.formats_bench",
     "plato": "bench.plato_bench",
     "judge": "bench.judge",
     "schedule": "bench.schedule_bench",

@@ -127,8 +127,9 @@ class ApiLimits(BaseModel):
     )
     stop_on_loop: bool = Field(
         True,
-        description="End an answer once it repeats itself verbatim (engine.loops); the length predictor's "
-        "labels are made with the same setting.",
+        description="End an answer once it repeats itself verbatim (engine.loops); an answer held to JSON, a "
+        "schema, choices or tool calls is closed the shortest way its grammar allows instead. The length "
+        "predictor's labels are made with the same setting.",
     )
 
 
@@ -263,8 +264,8 @@ class CompletionService:
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
             stop=request.stop,
-            # a loop cut short would end a JSON answer as "stop" with its object unclosed: it runs to "length"
-            stop_on_loop=self.limits.stop_on_loop and constraint is None,
+            # a JSON, schema, choice or tool-call answer that loops is closed the shortest way, not cut
+            stop_on_loop=self.limits.stop_on_loop,
             logprobs=request.logprobs_asked,
             prompt_logprobs=request.prompt_logprobs_asked,
             constraint=constraint,

@@ -46,6 +46,12 @@ class TokenConstraint(ABC):
     def is_complete(self) -> bool:
         """True once the text is a whole sentence of the grammar and nothing more may follow."""
 
+    def wrap_up(self) -> bool:
+        """Finish the answer the shortest way the grammar allows from now on, where the engine would
+        otherwise cut it (it loops); True if the constraint does, False (the default) if it cannot
+        and the answer is cut where it stands."""
+        return False
+
     def forced(self) -> int | None:
         """The one token that may come next, or None when there is a choice (or no constraint)."""
         mask = self.allowed()

@@ -142,8 +142,11 @@ class LLMEngine(Engine):
             logprobs=list(request.resume_logprobs) if request.params.logprobs is not None else None,
         )
         if sequence.loops is not None:  # a resumed answer stops exactly where an uninterrupted one would
+            looped = False
             for token in request.resume_ids:
-                sequence.loops.add(token)
+                looped = sequence.loops.add(token) or looped
+            if looped and constraint is not None and constraint.wrap_up():  # it was wrapping up when it was cut
+                sequence.loops = None
         if request.resume_ids:
             sequence.detokenizer.add(sequence.generated)
             sequence.sent_chars = len(sequence.detokenizer.text)
@@ -431,7 +434,10 @@ class LLMEngine(Engine):
             sequence.constraint.advance(token)
         sequence.finish = self._check_finish(sequence)
         if sequence.finish is None and sequence.loops is not None and sequence.loops.add(token):
-            sequence.finish = FinishReason.STOP
+            # a constrained answer (JSON) cut here would be unfinished: its constraint closes it instead
+            sequence.loops = None
+            if sequence.constraint is None or not sequence.constraint.wrap_up():
+                sequence.finish = FinishReason.STOP
 
     def _check_finish(self, sequence: _Sequence) -> FinishReason | None:
         params = sequence.request.params

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -250,14 +250,47 @@ class GrammarConstraint(TokenConstraint):
         self.stops = [t for t in (tokenizer.eos_token_id,) if t is not None]
         self.state = self.grammar.start
         self.text = ""
+        self.alphabet = "".join(sorted(characters.union(*map(set, texts))))
+        self.wrapping_up = False
 
     def allowed(self) -> torch.Tensor:
+        if self.wrapping_up:
+            mask = self._wrap_up_mask()
+            if mask is not None:
+                return mask
         mask = self._vocab.mask(self.grammar, self.state)
-        may_end = getattr(self.grammar, "may_end", None)
-        if self.stops and may_end is not None and may_end(self.state):
+        if self.stops and self.may_end(self.state):
             mask = mask.clone()
             mask[self.stops] = True
         return mask
+
+    def may_end(self, state) -> bool:
+        """The answer may stop at `state` with the end of sequence (the grammar's `may_end`, if any)."""
+        may_end = getattr(self.grammar, "may_end", None)
+        return may_end is not None and may_end(state)
+
+    def wrap_up(self) -> bool:
+        """From now on, finish the answer the shortest way the grammar allows (close the string, give
+        the required keys their shortest values, close the brackets) rather than let it run on: the
+        engine asks this when the answer loops, which it cannot simply cut without leaving the JSON
+        unfinished. False (and nothing changes) when no way to the end is found."""
+        if shortest_completion(self.grammar, self.state, self.alphabet, self.may_end) is None:
+            return False
+        self.wrapping_up = True
+        return True
+
+    def _wrap_up_mask(self) -> torch.Tensor | None:
+        """The tokens that begin the shortest completion (the end of sequence once it is written);
+        None when there are none, and then decoding goes on under the grammar alone."""
+        rest = shortest_completion(self.grammar, self.state, self.alphabet, self.may_end)
+        mask = torch.zeros(self._vocab.size, dtype=torch.bool)
+        if rest == "":
+            mask[self.stops] = True
+        elif rest:
+            fitting = [i for tokens in self._vocab.index.get(rest[0], {}).values() for i, s in tokens
+                       if rest.startswith(s)]
+            mask[fitting] = True
+        return mask if mask.any() else None
 
     def advance(self, token_id: int) -> None:
         vocab = self._vocab
@@ -272,6 +305,32 @@ class GrammarConstraint(TokenConstraint):
     @property
     def is_complete(self) -> bool:
         return self.state == DONE
+
+
+MAX_COMPLETION_STATES = 20_000
+
+
+def shortest_completion(grammar: CharGrammar, state, alphabet: str, may_end=lambda state: False) -> str | None:
+    """The shortest text over `alphabet` that takes `grammar` from `state` to its end (DONE, or a
+    state where `may_end`), found breadth first; "" when it is there already; None when none is found
+    within MAX_COMPLETION_STATES states. Whitespace and string text step to states already seen, so
+    the search stays small: a completion closes what is open and writes what is still required."""
+    if state == DONE or may_end(state):
+        return ""
+    frontier, seen = deque([(state, "")]), {state}
+    while frontier:
+        current, text = frontier.popleft()
+        for ch in alphabet:
+            nxt = grammar.step(current, ch)
+            if nxt is None or nxt in seen:
+                continue
+            if nxt == DONE or may_end(nxt):
+                return text + ch
+            if len(seen) >= MAX_COMPLETION_STATES:
+                return None
+            seen.add(nxt)
+            frontier.append((nxt, text + ch))
+    return None
 
 
 class JsonObjectConstraint(GrammarConstraint):

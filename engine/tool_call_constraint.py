@@ -94,7 +94,10 @@ class ToolCallOrTextConstraint(GrammarConstraint):
                          texts=grammar.calls.literal_texts(), writes="this answer of tool calls")
 
     def allowed(self) -> torch.Tensor | None:
-        return None if self.state == FREE else super().allowed()
+        return None if self.state == FREE and not self.wrapping_up else super().allowed()
+
+    def may_end(self, state) -> bool:
+        return state == FREE or super().may_end(state)
 
     def advance(self, token_id: int) -> None:
         if self.state != FREE:
