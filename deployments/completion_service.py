@@ -32,6 +32,7 @@ from deployments.openai_schema import (
 )
 from deployments.openai_logprobs import chat_logprobs
 from deployments.text_completions import Echo, StreamedText, scored_only, text_choice
+from deployments.tool_call_stream import CallStream, answer_stream, opens_calls
 from deployments.tool_calls import may_be_calls, tagged_calls, template_messages, tool_calls
 from engine.async_engine import AsyncEngine
 from engine.base import chat_ids, template_renders_tools
@@ -322,8 +323,8 @@ class CompletionService:
                                "text; send tools with mode 'ar'")
         if (isinstance(request, ChatCompletionRequest) and (request.calls_tools or request.may_call_tools)
                 and request.stream and request.logprobs):
-            raise RequestError("logprobs", "a streamed answer of tool calls sends the calls whole, without token "
-                               "log probabilities; ask for them without stream")
+            raise RequestError("logprobs", "a streamed answer of tool calls sends the calls as argument deltas, "
+                               "without token log probabilities; ask for them without stream")
         if request.logprobs_asked is not None and self._planned(request):
             raise RequestError("logprobs", f"a planned answer (mode '{request.mode}') has no token log probabilities; "
                                "ask for them with mode 'ar'")
@@ -421,19 +422,18 @@ class CompletionService:
                 yield chunk.opening(index)
         first, results = True, {}
         chat = isinstance(request, ChatCompletionRequest)
-        calls = chat and request.calls_tools
+        # an answer that is calls streams them as OpenAI does (deployments.tool_call_stream)
+        streams = {i: answer_stream(request.tool_choice) for i in range(len(choices))} if chat and request.calls_tools else {}
         held = {i: "" for i in range(len(choices))} if chat and request.may_call_tools else {}
         async for index, item in self._events(choices):
             if isinstance(item, Result):
                 results[index] = item if texts is None or texts[index].generates else scored_only(item)
                 message = _message(request, item) if chat else None
-                if calls or index in held:  # calls (or text held back until it could not be one) go whole
-                    held.pop(index, None)
+                if index in held or (index in streams and not streams[index].started):
+                    held.pop(index, None)  # text held back to the end (it could still have been a call)
                     yield chunk.calls(message.tool_calls, message.content, index)
                 finish = _chat_finish(request, item, message) if chat else _finish(results[index])
                 yield chunk.piece("", finish, index)
-                continue
-            if calls:
                 continue
             if texts is not None:
                 text, logprobs = texts[index].piece(item)
@@ -441,9 +441,20 @@ class CompletionService:
                 text, logprobs = item.text, chat_logprobs(item.logprobs) if item.logprobs is not None else None
             if index in held:  # 'auto': hold text back while it may still open a tool call
                 held[index] += text
-                if may_be_calls(held[index]):
+                if opens_calls(held[index]):
+                    streams[index] = CallStream()
+                elif may_be_calls(held[index]):
                     continue
                 text = held.pop(index)
+            if index in streams:
+                deltas = streams[index].feed(text)
+                if deltas:
+                    if first and self.observer is not None:
+                        self.observer.first_token(time.perf_counter() - started)
+                    first = False
+                for delta in deltas:  # one a chunk: an opening alone, as OpenAI sends it
+                    yield chunk.call_deltas([delta], index)
+                continue
             if text or logprobs:
                 if first and self.observer is not None:
                     self.observer.first_token(time.perf_counter() - started)

@@ -483,8 +483,11 @@ class ChatCompletionChunk(_Completion):
         its text instead when the answer was cut before its calls were whole."""
         if calls is None:
             return self.piece(text or "", index=index)
-        delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
-        return self.model_copy(update={"choices": [ChunkChoice(index=index, delta=delta)]}).model_dump()
+        return self.call_deltas([{"index": k, **call} for k, call in enumerate(calls)], index)
+
+    def call_deltas(self, deltas: list[dict], index: int = 0) -> dict:
+        """Tool-call deltas (`deployments.tool_call_stream`) of a choice."""
+        return self.model_copy(update={"choices": [ChunkChoice(index=index, delta={"tool_calls": deltas})]}).model_dump()
 
     def piece(self, text: str, finish_reason: FinishReason | None = None, index: int = 0,
               logprobs: dict | None = None) -> dict:

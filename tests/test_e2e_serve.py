@@ -159,12 +159,16 @@ def test_vllms_guided_choice_through_extra_body(server):
     assert reply.choices[0].finish_reason == "stop"
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
+                   "additionalProperties": False}}}
+
+
 def test_openai_client_gets_tool_calls_and_answers_from_the_tools_result(server):
     import json
 
-    weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
-               "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
-                              "required": ["city"], "additionalProperties": False}}}
+    weather = WEATHER_TOOL
     asked = [{"role": "user", "content": "What is the weather like in Paris today?"}]
     reply = _ask_openai(server, messages=asked, tools=[weather], max_tokens=48,
                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -178,6 +182,25 @@ def test_openai_client_gets_tool_calls_and_answers_from_the_tools_result(server)
     for call in auto.message.tool_calls or []:  # the 135M model answers in text; a call would be whole and valid
         assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
     assert (auto.message.content or auto.message.tool_calls) and auto.finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_openai_clients_stream_helper_gathers_a_call_streamed_piece_by_piece(server):
+    import json
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    pieces = []
+    with client.chat.completions.stream(
+            model="embedded:smollm2-135m", max_tokens=48, tools=[WEATHER_TOOL],
+            messages=[{"role": "user", "content": "What is the weather like in Paris today?"}],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces.append(event.arguments_delta)
+        final = stream.get_final_completion()
+    [call] = final.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert len(pieces) > 1 and "".join(pieces) == call.function.arguments
 
 
 def test_scores_continuations_as_lm_evaluation_harness_asks(server):

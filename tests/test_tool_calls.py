@@ -132,7 +132,24 @@ def test_required_answers_with_calls_to_the_tools(service):
     assert made
 
 
-def test_streamed_calls_come_whole_before_the_finish(service):
+def _gathered(deltas: list[dict]) -> list[dict]:
+    """Streamed tool-call deltas put together as a client does: by index, the first with id and name,
+    the arguments' pieces appended."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        if "id" in delta:
+            assert delta["index"] not in calls and delta["function"]["arguments"] == ""
+            calls[delta["index"]] = {"id": delta["id"], "name": delta["function"]["name"], "arguments": ""}
+        calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+    return [calls[k] for k in sorted(calls)]
+
+
+def _same_calls(gathered: list[dict], whole: list[dict]) -> bool:
+    return [(c["name"], json.loads(c["arguments"])) for c in gathered] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole]
+
+
+def test_streamed_calls_come_as_openai_streams_them_name_first_then_the_arguments(service):
     named = {"type": "function", "function": {"name": "weather"}}
     seed = next(seed for seed in range(20) if _ask(service, tool_choice=named, seed=seed).choices[0].message.tool_calls)
     whole = _ask(service, tool_choice=named, seed=seed).choices[0].message
@@ -140,9 +157,25 @@ def test_streamed_calls_come_whole_before_the_finish(service):
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert deltas[0] == {"role": "assistant"}
     assert not any(d.get("content") for d in deltas)  # no text: the answer is the call
-    [sent] = [d["tool_calls"] for d in deltas if "tool_calls" in d]
-    assert [c["function"] for c in sent] == [c["function"] for c in whole.tool_calls] and sent[0]["index"] == 0
+    sent = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert len(sent) > 2  # piece by piece, not whole
+    first = sent[0][0]
+    assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"]["name"] == "weather"
+    assert all("id" not in d for chunk_deltas in sent[1:] for d in chunk_deltas)
+    assert _same_calls(_gathered([d for chunk_deltas in sent for d in chunk_deltas]), whole.tool_calls)
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_required_streams_each_call_under_its_own_index(service):
+    for seed in range(6):
+        whole = _ask(service, tool_choice="required", seed=seed, max_tokens=80).choices[0]
+        chunks = _ask(service, tool_choice="required", seed=seed, max_tokens=80, stream=True)
+        deltas = [d for c in chunks if c["choices"] for d in c["choices"][0]["delta"].get("tool_calls", [])]
+        assert chunks[-1]["choices"][0]["finish_reason"] == whole.finish_reason
+        if whole.finish_reason == "stop":
+            assert _same_calls(_gathered(deltas), whole.message.tool_calls)
+            assert len({d["id"] for d in deltas if "id" in d}) == len(whole.message.tool_calls)
 
 
 def test_none_answers_in_text_and_refusals_name_their_field(service):
@@ -256,7 +289,7 @@ def test_auto_answers_with_text_or_with_calls_that_validate(service):
     assert made
 
 
-def test_auto_streams_text_as_it_comes_and_calls_whole(service):
+def test_auto_streams_text_and_calls_as_they_come(service):
     def streamed(**fields):
         chunks = _ask(service, stream=True, **fields)
         deltas = [c["choices"][0] for c in chunks if c["choices"]]
@@ -266,11 +299,20 @@ def test_auto_streams_text_as_it_comes_and_calls_whole(service):
 
     whole = _ask(service, seed=3, max_tokens=8).choices[0]
     assert streamed(seed=3, max_tokens=8) == (whole.message.content, [], whole.finish_reason)
-    bias = _tag_bias(service)
-    whole = _ask(service, seed=1, max_tokens=80, logit_bias=bias).choices[0]
-    text, calls, finish = streamed(seed=1, max_tokens=80, logit_bias=bias)
-    assert finish == whole.finish_reason
-    if whole.message.tool_calls:
-        assert text == "" and [c["function"] for c in calls] == [c["function"] for c in whole.message.tool_calls]
-    else:
-        assert text == whole.message.content and not calls
+    bias, branches = _tag_bias(service), set()
+    for seed in range(4):
+        fields = {"seed": seed, "max_tokens": 80, "logit_bias": bias, "parallel_tool_calls": seed % 2 == 0}
+        whole = _ask(service, **fields).choices[0]
+        text, calls, finish = streamed(**fields)
+        assert finish == whole.finish_reason
+        if whole.message.tool_calls:
+            assert text == "" and _same_calls(_gathered(calls), whole.message.tool_calls)
+            branches.add("calls")
+        elif calls:  # cut by max_tokens inside a call: streamed as far as it got (as OpenAI streams one), no text
+            assert finish == "length" and text == "" and whole.message.content.startswith("<tool_call>")
+            for call in _gathered(calls):
+                assert call["name"] in ("weather", "clock") and call["arguments"] in whole.message.content
+            branches.add("cut")
+        else:
+            assert text == whole.message.content and not calls
+    assert "calls" in branches
