@@ -14,6 +14,7 @@ SCENARIOS = {
     "judge": "bench.judge",
     "schedule": "bench.schedule_bench",
     "schedule-sim": "bench.schedule_sim",
+    "scoring": "bench.scoring_bench",
     "serve": "bench.serve_bench",
     "steps": "bench.step_bench",
 }

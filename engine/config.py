@@ -36,6 +36,11 @@ class EngineConfig(BaseModel):
     prefix_cache_bytes: int = Field(
         256 * 2**20, ge=0, description="Memory bound of the prefix KV LRU; 0 disables prefix reuse."
     )
+    reuse_scored_prompts: bool = Field(
+        True, description="Keep each scored prompt's (`echo` with `logprobs`) KV and token scores in the prefix "
+        "cache, so a later scored prompt that starts the same way (another answer to one multiple-choice "
+        "question, as lm-evaluation-harness sends them) takes both and computes only the rest; prompts "
+        "admitted in one step that share a long start with an earlier one wait a step to do so.")
     jump_forward: bool | None = Field(
         None, description="Under a decoding constraint, append the tokens the constraint forces (only one token "
         "may come next) without a decode step each: they run together in the next forward pass. The text is the "

@@ -17,13 +17,16 @@ from engine.detokenize import IncrementalDetokenizer
 from engine.drafts import lookup_draft
 from engine.loops import LoopDetector
 from engine.llama import LlamaRunner, LogitRows, PrefillItem
-from engine.prefix_cache import PrefixCache, PrefixEntry, PrefixHandle
+from engine.prefix_cache import PrefixCache, PrefixEntry, PrefixHandle, common_length
 from engine.sampling import make_generator, sample, token_logprobs
 from engine.types import FinishReason, GenerationRequest, Result, TokenEvent, TokenLogprob
 
 
 log = logging.getLogger(__name__)
 SCORED_ROWS_AT_ONCE = 256  # a scored prompt's rows turned into logits together (engine.llama.LogitRows)
+# a scored prompt sharing this many more tokens with one admitted in the same step than with any cached
+# waits a step for that one's KV and scores (a step costs about what prefilling a few dozen tokens does)
+SCORED_WAIT_TOKENS = 32
 
 
 @dataclass
@@ -47,6 +50,7 @@ class _Sequence:
     logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per generated token
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # those of new_tokens
     prompt_logprobs: list[TokenLogprob] | None = None  # with params.prompt_logprobs, once the prompt is computed
+    cached_scores: list[TokenLogprob] = field(default_factory=list)  # those of its first tokens a cached entry gave
     prompt_scores_sent: bool = False  # in an event already: only the first event carries them
     stop_logprob: TokenLogprob | None = None  # with logprobs: the stop token's that ended the answer
 
@@ -95,6 +99,7 @@ class LLMEngine(Engine):
         self.jump_forward = not graphed if config.jump_forward is None else config.jump_forward
         self.stop_token_ids = _stop_token_ids(hf_model, tokenizer)
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes)
+        self.reuse_scored_prompts = config.reuse_scored_prompts
         self._waiting: list[tuple[int, int, _Sequence]] = []
         self._running: list[_Sequence] = []
         self._by_id: dict[str, _Sequence] = {}
@@ -281,13 +286,18 @@ class LLMEngine(Engine):
         """Move waiting requests into free slots (a cached prefix's KV written in) and say what of
         their prompts is still to compute; the forward pass that computes it is the caller's."""
         admission, budget = _Admission(), self.config.max_prefill_tokens
-        caching = set()
+        caching, scoring = set(), []
         while self._waiting and len(self._running) < self.runner.max_slots:
             sequence = self._waiting[0][2]
             todo = sequence.tokens
             scores_prompt = sequence.request.params.prompt_logprobs is not None  # needs every prompt row's logits
             hit = None if scores_prompt else self.prefix_cache.longest_match(todo, count=False)
-            need = len(todo) - (len(hit.token_ids) if hit else 0)
+            scored_hit, reused = self._scored_hit(sequence) if scores_prompt else (None, 0)
+            if scores_prompt and self._reuses_scores(sequence):
+                earlier = max((common_length(tuple(todo), other) for other in scoring), default=0)
+                if earlier - 1 > reused + SCORED_WAIT_TOKENS:  # an earlier admission's KV and scores serve it next step
+                    break
+            need = len(todo) - (len(hit.token_ids) if hit else reused)
             if admission.sequences and need > budget:
                 break
             # a shared prefix not cached yet is cached as this prefill passes it: no step of its own
@@ -298,7 +308,10 @@ class LLMEngine(Engine):
                     break
                 caching.add(tuple(todo[:to_cache]))
             heapq.heappop(self._waiting)
-            self.prefix_cache.count(hit)
+            if scored_hit is None:
+                self.prefix_cache.count(hit)
+            if scores_prompt and self._reuses_scores(sequence):
+                scoring.append(tuple(todo))
             budget -= need
             sequence.slot = len(self._running)
             self._running.append(sequence)
@@ -307,11 +320,31 @@ class LLMEngine(Engine):
                 self.runner.write_slot(sequence.slot, hit.kv)
                 sequence.prefix_hit = len(hit.token_ids)
                 admission.cached_logits[id(sequence)] = hit.last_logits
+            elif scored_hit is not None:
+                self.prefix_cache.count(scored_hit, reused)
+                self.runner.write_slot(sequence.slot, tuple(t[:, :, :reused] for t in scored_hit.kv))
+                sequence.prefix_hit = reused
+                top = sequence.request.params.prompt_logprobs
+                sequence.cached_scores = [s if len(s.top) <= top else s.model_copy(update={"top": s.top[:top]})
+                                          for s in scored_hit.scores[:reused]]
             sequence.cached = sequence.prefix_hit
             if need:
                 admission.items.append(PrefillItem(sequence.slot, todo[sequence.prefix_hit :], sequence.prefix_hit,
                                                    prefix_end=to_cache, logit_rows=need if scores_prompt else 1))
         return admission
+
+    def _reuses_scores(self, sequence: _Sequence) -> bool:
+        """Whether this scored prompt takes cached scores and leaves its own (not an answer resumed after it)."""
+        return self.reuse_scored_prompts and not sequence.generated and len(sequence.request.prompt_ids) > 1
+
+    def _scored_hit(self, sequence: _Sequence) -> tuple[PrefixEntry | None, int]:
+        """The cached scored prompt this one may start from, and how many of its tokens' KV and scores
+        to take: all they share but the last, whose row is computed again (an entry keeps no logits
+        but its last's, and the first token that differs is scored from that row)."""
+        if not self._reuses_scores(sequence):
+            return None, 0
+        match = self.prefix_cache.longest_scored(sequence.request.prompt_ids, sequence.request.params.prompt_logprobs)
+        return (match[0], match[1] - 1) if match is not None else (None, 0)
 
     def _settle_admission(self, admission: _Admission, logits: torch.Tensor | LogitRows | None) -> None:
         """After the pass that computed the admitted prompts (`logits`: each item's last `logit_rows`
@@ -332,8 +365,9 @@ class LLMEngine(Engine):
                 if sequence.prefix_hit < sequence.request.preamble_len < sequence.num_tokens:
                     # no logits: a preamble is never a whole prompt, so it only serves prompts that go on past it
                     self._cache_prefix(sequence, sequence.request.preamble_len, None)
-                if sequence.request.params.prompt_logprobs is not None:  # its item starts at the prompt's first token
+                if sequence.request.params.prompt_logprobs is not None:  # its item starts where cached scores end
                     self._score_prompt(sequence, logits[first_row:last_row + 1])
+                    self._cache_scored_prompt(sequence, logits[last_row])
                 rows.append(logits[last_row])
                 index += 1
                 first_row += item.logit_rows
@@ -381,17 +415,28 @@ class LLMEngine(Engine):
         return dict(zip(rows, scored))
 
     def _score_prompt(self, sequence: _Sequence, logits: torch.Tensor | LogitRows) -> None:
-        """Each prompt token's log probability after the first, from the rows of the tokens before it."""
+        """Each prompt token's log probability after the first: those of its first `prefix_hit` tokens from
+        a cached scored prompt, the rest from the rows of the tokens before them (`logits` starts at
+        position `prefix_hit`)."""
         prompt = sequence.request.prompt_ids
         if len(prompt) < 2:
             sequence.prompt_logprobs = []
             return
-        k, scored = sequence.request.params.prompt_logprobs, []
-        for lo in range(0, len(prompt) - 1, SCORED_ROWS_AT_ONCE):  # a long prompt's logits a chunk at a time
+        k, start, scored = sequence.request.params.prompt_logprobs, sequence.prefix_hit, list(sequence.cached_scores)
+        for lo in range(start, len(prompt) - 1, SCORED_ROWS_AT_ONCE):  # a long prompt's logits a chunk at a time
             hi = min(lo + SCORED_ROWS_AT_ONCE, len(prompt) - 1)
-            scored += token_logprobs(logits[list(range(lo, hi))], prompt[lo + 1 : hi + 1], [k] * (hi - lo),
-                                     self._token_text)
+            scored += token_logprobs(logits[list(range(lo - start, hi - start))], prompt[lo + 1 : hi + 1],
+                                     [k] * (hi - lo), self._token_text)
         sequence.prompt_logprobs = scored
+
+    def _cache_scored_prompt(self, sequence: _Sequence, last_logits: torch.Tensor) -> None:
+        if not self._reuses_scores(sequence):
+            return
+        key, top = tuple(sequence.request.prompt_ids), sequence.request.params.prompt_logprobs
+        cached = self.prefix_cache.get(key)
+        if cached is None or cached.scores is None or cached.scores_top < top:
+            self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, len(key)), last_logits.clone(),
+                                              list(sequence.prompt_logprobs), top))
 
     def _token_text(self, token: int) -> str:
         text = self._token_texts.get(token)

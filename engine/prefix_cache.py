@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+SCORE_BYTES = 160  # a rough size of one stored prompt score (a TokenLogprob), and of each of its alternatives
+
 
 @dataclass
 class PrefixEntry:
@@ -13,22 +15,30 @@ class PrefixEntry:
 
     `last_logits` is None for a finished answer kept for its continuations (`keep_kv`): its last
     token's logits were spent sampling the token that ended it, so the entry serves only prompts
-    that go on past it."""
+    that go on past it.
+
+    `scores`: for a prompt that was scored (`echo` with `logprobs`), each token's log probability after
+    the first (`engine.types.TokenLogprob`, with `scores_top` alternatives each), so that a later scored
+    prompt sharing its start takes those scores and KV and computes only the rest."""
 
     token_ids: tuple[int, ...]
     kv: tuple[torch.Tensor, torch.Tensor]
     last_logits: torch.Tensor | None
+    scores: list | None = None
+    scores_top: int = 0
 
     @property
     def nbytes(self) -> int:
         tensors = (*self.kv, self.last_logits) if self.last_logits is not None else self.kv
-        return sum(t.numel() * t.element_size() for t in tensors)
+        scores = len(self.scores) * SCORE_BYTES * (1 + self.scores_top) if self.scores is not None else 0
+        return sum(t.numel() * t.element_size() for t in tensors) + scores
 
     def to(self, device) -> "PrefixEntry":
         """The same entry with its tensors on `device` (on "cpu" before it goes into Ray's object
         store: a process without a GPU cannot unpickle a CUDA tensor)."""
         logits = self.last_logits.to(device) if self.last_logits is not None else None
-        return PrefixEntry(tuple(self.token_ids), tuple(t.to(device) for t in self.kv), logits)
+        return PrefixEntry(tuple(self.token_ids), tuple(t.to(device) for t in self.kv), logits, self.scores,
+                           self.scores_top)
 
 
 @dataclass(frozen=True)
@@ -91,11 +101,35 @@ class PrefixCache:
             self.count(best)
         return best
 
-    def count(self, entry: PrefixEntry | None) -> None:
-        """Record one lookup's outcome (and refresh the entry's recency)."""
+    def longest_scored(self, prompt_ids: list[int], top: int) -> tuple[PrefixEntry, int] | None:
+        """The scored entry (one with `scores`, `top` alternatives or more each) whose tokens share the
+        longest start with `prompt_ids`, and how many tokens they share; None when none shares two."""
+        best, shared, prompt = None, 1, tuple(prompt_ids)
+        for entry in self._entries.values():
+            if entry.scores is not None and entry.scores_top >= top:
+                length = common_length(entry.token_ids, prompt)
+                if length > shared:
+                    best, shared = entry, length
+        return (best, shared) if best is not None else None
+
+    def count(self, entry: PrefixEntry | None, tokens: int | None = None) -> None:
+        """Record one lookup's outcome (and refresh the entry's recency); `tokens`: how many of the
+        entry's were used, when not all."""
         if entry is None:
             self.misses += 1
             return
         self._entries.move_to_end(entry.token_ids)
         self.hits += 1
-        self.hit_tokens += len(entry.token_ids)
+        self.hit_tokens += len(entry.token_ids) if tokens is None else tokens
+
+
+def common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading tokens `a` and `b` share (a binary search over slices, compared in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
