@@ -12,6 +12,7 @@ SCENARIOS = {
     "formats": "bench.formats_bench",
     "plato": "bench.plato_bench",
     "judge": "bench.judge",
+    "priority": "bench.priority_bench",
     "schedule": "bench.schedule_bench",
     "schedule-sim": "bench.schedule_sim",
     "scoring": "bench.scoring_bench",

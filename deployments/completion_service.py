@@ -38,7 +38,7 @@ from engine.async_engine import AsyncEngine
 from engine.base import chat_ids, template_renders_tools
 from engine.constraints import make_constraint
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
-from graph.orchestrator import Answer, Orchestrator
+from graph.orchestrator import Answer, Orchestrator, PrioritizedClient
 
 PLAIN_MODE = "ar"
 
@@ -272,14 +272,16 @@ class CompletionService:
             constraint=constraint,
             constraint_arg=constraint_arg,
         )
-        return GenerationRequest(prompt_ids=prompt_ids, params=params)
+        # the engine's and the batcher's priority is the other way round: higher goes first
+        return GenerationRequest(prompt_ids=prompt_ids, params=params, priority=-request.priority)
 
     def _planned(self, request: OpenAIRequest) -> bool:
         return self.orchestrator is not None and is_planned(request)
 
     async def _plan_and_answer(self, request: ChatCompletionRequest, engine_request: GenerationRequest) -> Answer:
         budget = {"max_tokens": engine_request.params.max_tokens, "stop_on_loop": self.limits.stop_on_loop}
-        orchestrator = Orchestrator(self.orchestrator.client, self.orchestrator.config.model_copy(update=budget))
+        client = PrioritizedClient(self.orchestrator.client, engine_request.priority)
+        orchestrator = Orchestrator(client, self.orchestrator.config.model_copy(update=budget))
         return await orchestrator.answer(request.messages[0].content, request.mode)
 
     def _planned_response(self, request, engine_request, answer: Answer) -> ChatCompletionResponse:

@@ -60,6 +60,8 @@ class JobRow(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0,
                                       description="This row's temperature; the job's default when absent.")
     mode: RequestMode | None = Field(None, description="How to answer this row; the job's default when absent.")
+    priority: int | None = Field(None, description="This row's priority (lower goes first); the job's default "
+                                 "when absent.")
 
 
 @dataclass
@@ -143,7 +145,7 @@ def _check(raw: dict, number: int, where: str) -> InputRow:
                      f"or streaming; leave {more[0]} out")
         return row
     messages = [{"role": "user", "content": checked.prompt}] if checked.prompt is not None else raw["messages"]
-    params = checked.model_dump(include={"max_tokens", "temperature", "mode"}, exclude_none=True)
+    params = checked.model_dump(include={"max_tokens", "temperature", "mode", "priority"}, exclude_none=True)
     passed_on = {k: v for k, v in raw.items() if k in _PASSED_ON and v is not None}  # a Parquet null: not given
     row.request = {"messages": messages, **passed_on, **params}
     return row

@@ -44,7 +44,7 @@ class JobConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input: str = Field(description="JSONL or Parquet file of rows with `prompt` or `messages`, optional `id`, "
-                       "`max_tokens`, `temperature`, `mode`.")
+                       "`max_tokens`, `temperature`, `mode`, `priority`.")
     output: str = Field(description="Folder for the answers: parts/ while running, answers.parquet when done. "
                         "Rerun with the same folder to resume.")
     base_url: str = Field(DEFAULT_BASE_URL, description="Where the Serve application's HTTP API listens.")
@@ -53,6 +53,8 @@ class JobConfig(BaseModel):
     max_tokens: int | None = Field(None, ge=1, description="Answer budget of rows that set none (else the server's).")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="Temperature of rows that set none.")
     mode: RequestMode | None = Field(None, description="Answer mode of rows that set none.")
+    priority: int | None = Field(None, description="Priority of rows that set none (the API's: lower goes first, "
+                                 "0 by default); 1 lets interactive requests go before the job's.")
     max_retries: int = Field(8, ge=0, description="Retries of one request on 429/502/503/504 or a lost connection "
                              "(honouring Retry-After, else backing off to 30 s); then the job stops, resumable.")
     timeout_s: float = Field(600.0, gt=0, description="Longest wait for one answer, in seconds.")
@@ -132,7 +134,7 @@ async def run_job(config: JobConfig) -> JobSummary:
             model = await _check_server(client, config)
             print(f"asking {model} at {config.base_url}, {config.concurrency} requests at a time", flush=True)
         queue, progress, flushed = iter(todo), Progress(summary, config.progress_s), time.monotonic()
-        defaults = config.model_dump(include={"max_tokens", "temperature", "mode"}, exclude_none=True)
+        defaults = config.model_dump(include={"max_tokens", "temperature", "mode", "priority"}, exclude_none=True)
 
         async def worker():
             nonlocal flushed

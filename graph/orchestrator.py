@@ -47,6 +47,23 @@ class DecodeClient(Protocol):
     def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Result]: ...
 
 
+class PrioritizedClient:
+    """A DecodeClient that sends every request at `priority` (`GenerationRequest.priority`: higher goes
+    first), so a planned answer's plan, nodes and fallback all wait as their caller asked."""
+
+    def __init__(self, client: DecodeClient, priority: int):
+        self.client, self.priority = client, priority
+
+    async def encode_chat(self, messages, add_generation_prompt=True):
+        return await self.client.encode_chat(messages, add_generation_prompt)
+
+    async def generate(self, request):
+        return await self.client.generate(request.model_copy(update={"priority": self.priority}))
+
+    def stream(self, request):
+        return self.client.stream(request.model_copy(update={"priority": self.priority}))
+
+
 class EngineClient:
     """A DecodeClient over an in-process AsyncEngine."""
 
@@ -164,13 +181,14 @@ class Orchestrator:
         answer.routed = reason
         return answer
 
-    async def _ar(self, question: str, fallback: str | None = None, spent: int = 0) -> Answer:
+    async def _ar(self, question: str, fallback: str | None = None, spent: int = 0, planned_as: Mode = "plato") -> Answer:
+        """A plain answer; with `fallback`, the one a `planned_as` answer fell back to (it keeps that mode)."""
         ids = await self.client.encode_chat([{"role": "user", "content": question}])
         result = await self.client.generate(
             GenerationRequest(prompt_ids=ids, params=SamplingParams(max_tokens=self.config.max_tokens,
                                                                   stop_on_loop=self.config.stop_on_loop))
         )
-        return Answer(mode="plato" if fallback else "ar", text=result.text, latency_s=0.0,
+        return Answer(mode=planned_as if fallback else "ar", text=result.text, latency_s=0.0,
                       completion_tokens=spent + result.completion_tokens, fallback=fallback)
 
     async def _sot(self, question: str) -> Answer:
@@ -180,7 +198,8 @@ class Orchestrator:
         outline = parse_plan(question, skeleton.text, truncated=skeleton.finish_reason is FinishReason.LENGTH)
         points = [node.text for node in outline.nodes][: self.config.max_nodes]
         if len(points) < 2:
-            return await self._ar(question, fallback="the outline had fewer than two points", spent=skeleton.completion_tokens)
+            return await self._ar(question, fallback="the outline had fewer than two points", spent=skeleton.completion_tokens,
+                                  planned_as="sot")
         point_params = node_params(self.config)
         prompts = [await self.client.encode_chat(sot_point_messages(question, points, i)) for i in range(1, len(points) + 1)]
         results = await asyncio.gather(

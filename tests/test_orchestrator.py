@@ -147,6 +147,21 @@ def test_sot_expands_every_point_independently():
     assert result.prefix_hit_tokens == 0 and result.node_prompt_shareable_tokens > 0
 
 
+def test_an_outline_of_one_point_falls_back_to_plain_decoding_and_says_sot():
+    client = ScriptedClient(DIAMOND)
+    original = client.generate
+
+    async def one_point(request):
+        if "short numbered list" in client._text(request.prompt_ids):
+            return client._result(request, "1. Alpha")
+        return await original(request)
+
+    client.generate = one_point
+    result = answer(client, "sot")
+    assert result.mode == "sot" and result.fallback == "the outline had fewer than two points"
+    assert result.text == "a plain answer"
+
+
 def test_ar_is_one_plain_generation():
     client = ScriptedClient(DIAMOND)
     result = answer(client, "ar")
