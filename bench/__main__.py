@@ -18,6 +18,7 @@ SCENARIOS = {
     "scoring": "bench.scoring_bench",
     "serve": "bench.serve_bench",
     "steps": "bench.step_bench",
+    "turns": "bench.turns_bench",
 }
 
 

@@ -145,7 +145,8 @@ def _chart(summary: dict, path) -> None:
     fig.savefig(path, dpi=110)
 
 
-ENGINE = {"max_batch_size": 32, "max_model_len": 1024}
+# prefix reuse is what the orchestrator marks (off in the no-KV-reuse variant), nothing automatic beside it
+ENGINE = {"max_batch_size": 32, "max_model_len": 1024, "cache_answers": False}
 
 
 def measure(rows: list[dict], variants: list[str], store: PlatoRunStore, in_flight: int,

@@ -83,7 +83,7 @@ def run_given_plans(budget: int, line_delay: float, limit: int | None) -> dict:
     base = AnswerConfig(max_tokens=budget, node_max_tokens=budget, plan_max_tokens=96)
     summary, raw = {}, {}
     for name, overrides in VARIANTS.items():
-        engine = AsyncEngine(lambda: LLMEngine.from_config(EngineConfig(max_batch_size=32, max_model_len=1024)))
+        engine = AsyncEngine(lambda: LLMEngine.from_config(EngineConfig(max_batch_size=32, max_model_len=1024, cache_answers=False)))
         try:
             out = asyncio.run(_run_variant(engine, plans, base.model_copy(update=overrides), line_delay))
         finally:

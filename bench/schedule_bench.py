@@ -573,8 +573,9 @@ def run(argv: list[str]) -> dict:
         raise SystemExit("labels: rows made with different max_tokens; the workload needs one")
     params = SamplingParams(max_tokens=max_tokens, stop_on_loop=True)
 
-    # as the labels were made; no drafts: the kept runs were made without, and the padded policies count rows x steps
-    config = EngineConfig(max_batch_size=VANILLA_BATCH, max_model_len=1024, speculative_tokens=0)
+    # as the labels were made; no drafts: the kept runs were made without, and the padded policies count rows x steps;
+    # no answers cached: a policy must not start from the KV of the one before (the paper's systems keep none)
+    config = EngineConfig(max_batch_size=VANILLA_BATCH, max_model_len=1024, speculative_tokens=0, cache_answers=False)
     device, dtype = select_device_and_dtype(config)
     hf_model, tokenizer = load_hf_model(resolve_model_dir(config.model), dtype, device)
     continuous = LLMEngine(hf_model, tokenizer, config)

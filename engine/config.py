@@ -36,6 +36,12 @@ class EngineConfig(BaseModel):
     prefix_cache_bytes: int = Field(
         256 * 2**20, ge=0, description="Memory bound of the prefix KV LRU; 0 disables prefix reuse."
     )
+    cache_answers: bool = Field(
+        True, description="Automatic prefix caching: keep each finished answer's prompt-and-answer KV in the prefix "
+        "cache, so the next turn of its conversation (whose prompt starts with it) and an answer cut to be continued "
+        "prefill only what is new; and let any prompt start from the longest start it shares with a cached entry "
+        "(the chat template's system prompt, say). These entries are evicted before the prefixes callers ask to "
+        "share (plan prefixes). Costs a copy of the answer's KV when it finishes.")
     reuse_scored_prompts: bool = Field(
         True, description="Keep each scored prompt's (`echo` with `logprobs`) KV and token scores in the prefix "
         "cache, so a later scored prompt that starts the same way (another answer to one multiple-choice "

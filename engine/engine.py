@@ -100,6 +100,7 @@ class LLMEngine(Engine):
         self.stop_token_ids = _stop_token_ids(hf_model, tokenizer)
         self.prefix_cache = PrefixCache(config.prefix_cache_bytes)
         self.reuse_scored_prompts = config.reuse_scored_prompts
+        self.cache_answers = config.cache_answers
         self._waiting: list[tuple[int, int, _Sequence]] = []
         self._running: list[_Sequence] = []
         self._by_id: dict[str, _Sequence] = {}
@@ -291,13 +292,13 @@ class LLMEngine(Engine):
             sequence = self._waiting[0][2]
             todo = sequence.tokens
             scores_prompt = sequence.request.params.prompt_logprobs is not None  # needs every prompt row's logits
-            hit = None if scores_prompt else self.prefix_cache.longest_match(todo, count=False)
+            hit, taken = (None, 0) if scores_prompt else self._prefix_hit(todo)
             scored_hit, reused = self._scored_hit(sequence) if scores_prompt else (None, 0)
             if scores_prompt and self._reuses_scores(sequence):
                 earlier = max((common_length(tuple(todo), other) for other in scoring), default=0)
                 if earlier - 1 > reused + SCORED_WAIT_TOKENS:  # an earlier admission's KV and scores serve it next step
                     break
-            need = len(todo) - (len(hit.token_ids) if hit else reused)
+            need = len(todo) - (taken if hit else reused)
             if admission.sequences and need > budget:
                 break
             # a shared prefix not cached yet is cached as this prefill passes it: no step of its own
@@ -309,7 +310,7 @@ class LLMEngine(Engine):
                 caching.add(tuple(todo[:to_cache]))
             heapq.heappop(self._waiting)
             if scored_hit is None:
-                self.prefix_cache.count(hit)
+                self.prefix_cache.count(hit, taken)
             if scores_prompt and self._reuses_scores(sequence):
                 scoring.append(tuple(todo))
             budget -= need
@@ -317,9 +318,11 @@ class LLMEngine(Engine):
             self._running.append(sequence)
             admission.sequences.append(sequence)
             if hit is not None:
-                self.runner.write_slot(sequence.slot, hit.kv)
-                sequence.prefix_hit = len(hit.token_ids)
-                admission.cached_logits[id(sequence)] = hit.last_logits
+                self.runner.write_slot(sequence.slot, hit.kv if taken == len(hit.token_ids)
+                                       else tuple(t[:, :, :taken] for t in hit.kv))
+                sequence.prefix_hit = taken
+                if taken == len(todo):
+                    admission.cached_logits[id(sequence)] = hit.last_logits
             elif scored_hit is not None:
                 self.prefix_cache.count(scored_hit, reused)
                 self.runner.write_slot(sequence.slot, tuple(t[:, :, :reused] for t in scored_hit.kv))
@@ -332,6 +335,14 @@ class LLMEngine(Engine):
                 admission.items.append(PrefillItem(sequence.slot, todo[sequence.prefix_hit :], sequence.prefix_hit,
                                                    prefix_end=to_cache, logit_rows=need if scores_prompt else 1))
         return admission
+
+    def _prefix_hit(self, prompt: list[int]) -> tuple[PrefixEntry | None, int]:
+        """The cached entry a prompt starts from and how many of its tokens it takes: with
+        `cache_answers`, any start an entry shares; else only a whole entry the prompt goes on from."""
+        if self.cache_answers:
+            return self.prefix_cache.best_start(prompt) or (None, 0)
+        entry = self.prefix_cache.longest_match(prompt, count=False)
+        return entry, len(entry.token_ids) if entry is not None else 0
 
     def _reuses_scores(self, sequence: _Sequence) -> bool:
         """Whether this scored prompt takes cached scores and leaves its own (not an answer resumed after it)."""
@@ -436,7 +447,7 @@ class LLMEngine(Engine):
         cached = self.prefix_cache.get(key)
         if cached is None or cached.scores is None or cached.scores_top < top:
             self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, len(key)), last_logits.clone(),
-                                              list(sequence.prompt_logprobs), top))
+                                              list(sequence.prompt_logprobs), top, spare=True))
 
     def _token_text(self, token: int) -> str:
         text = self._token_texts.get(token)
@@ -536,13 +547,24 @@ class LLMEngine(Engine):
         self._store_result(sequence, sequence.finish)
 
     def _keep_answer_kv(self, sequence: _Sequence) -> None:
-        if not sequence.request.keep_kv or sequence.finish not in (FinishReason.STOP, FinishReason.LENGTH):
+        """Keep the prompt-and-answer KV of an answer that asks (`keep_kv`), or, with `cache_answers`, of
+        any answer as a spare entry (the next turn of a conversation, or an answer cut to be continued,
+        starts with it)."""
+        asked = sequence.request.keep_kv and sequence.finish in (FinishReason.STOP, FinishReason.LENGTH)
+        spare = (self.cache_answers and sequence.request.params.prompt_logprobs is None
+                 and sequence.finish in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CUT))
+        if not (asked or spare):
             return
         key = tuple(sequence.tokens[: sequence.cached])
-        if self.prefix_cache.get(key) is None:
-            if not self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, len(key)), None)):
+        cached = self.prefix_cache.get(key)
+        if cached is None:
+            if not self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, len(key)), None,
+                                                     spare=not asked)):
                 return
-        sequence.kept_kv = len(key)
+        elif asked:
+            cached.spare = False
+        if asked:
+            sequence.kept_kv = len(key)
 
     def _store_result(self, sequence: _Sequence, reason: FinishReason) -> None:
         now = time.perf_counter()

@@ -26,6 +26,7 @@ class PrefixEntry:
     last_logits: torch.Tensor | None
     scores: list | None = None
     scores_top: int = 0
+    spare: bool = False  # kept on the chance a later prompt goes on from it: evicted before the rest
 
     @property
     def nbytes(self) -> int:
@@ -38,7 +39,7 @@ class PrefixEntry:
         store: a process without a GPU cannot unpickle a CUDA tensor)."""
         logits = self.last_logits.to(device) if self.last_logits is not None else None
         return PrefixEntry(tuple(self.token_ids), tuple(t.to(device) for t in self.kv), logits, self.scores,
-                           self.scores_top)
+                           self.scores_top, self.spare)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,9 @@ class PrefixHandle:
 
 
 class PrefixCache:
-    """Longest-match lookup over cached prefixes; least recently used entries go first."""
+    """Longest-match lookup over cached prefixes. Past the bound, the least recently used spare entry
+    (an answer or a scored prompt kept on the chance a later prompt goes on from it) goes first, then
+    the least recently used of the prefixes callers asked to share."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
@@ -79,7 +82,8 @@ class PrefixCache:
         self._entries[entry.token_ids] = entry
         self.bytes += entry.nbytes
         while self.bytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
+            spare = next((key for key, e in self._entries.items() if e.spare), None)
+            evicted = self._entries.pop(spare) if spare is not None else self._entries.popitem(last=False)[1]
             self.bytes -= evicted.nbytes
         return True
 
@@ -100,6 +104,21 @@ class PrefixCache:
         if count:
             self.count(best)
         return best
+
+    def best_start(self, prompt_ids: list[int]) -> tuple[PrefixEntry, int] | None:
+        """The entry whose KV covers the longest start of `prompt_ids`, and how many of its tokens to
+        take: a whole entry that the prompt goes on from, or the start an entry shares with the prompt
+        (its KV there depends only on those tokens), but never the prompt's last token unless the entry
+        is exactly the prompt and has the logits after it (a pass must compute that token's row to
+        sample the first answer token). None when no entry shares a token."""
+        best, taken, prompt = None, 0, tuple(prompt_ids)
+        for key, entry in self._entries.items():
+            shared = common_length(key, prompt)
+            usable = shared if shared < len(prompt) or (len(key) == shared and entry.last_logits is not None) \
+                else shared - 1
+            if usable > taken or (usable == taken and best is not None and len(key) == usable < len(best.token_ids)):
+                best, taken = entry, usable
+        return (best, taken) if best is not None else None
 
     def longest_scored(self, prompt_ids: list[int], top: int) -> tuple[PrefixEntry, int] | None:
         """The scored entry (one with `scores`, `top` alternatives or more each) whose tokens share the

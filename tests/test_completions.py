@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from test_api import SERVED, WORDS, assert_refused, client, events, make_client  # noqa: F401  (fixtures)
+from test_api import SERVED, WORDS, assert_close, assert_refused, client, events, make_client  # noqa: F401  (fixtures)
 
 
 def _complete(client, **body):
@@ -56,8 +56,7 @@ def test_logprobs_are_openais_parallel_lists_streamed_or_not(client):
         b - a == len(t) for a, b, t in zip(logprobs["text_offset"], logprobs["text_offset"][1:], logprobs["tokens"]))
     chunks = events(_complete(client, max_tokens=5, logprobs=3, stream=True))
     streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
-    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-        assert [x for part in streamed for x in part[key]] == logprobs[key]
+    _assert_same_logprobs(streamed, logprobs)
 
 
 @pytest.mark.parametrize(
@@ -183,14 +182,8 @@ def test_echo_with_logprobs_streams_what_it_answers_whole(client):
 
 
 def _assert_same_logprobs(parts: list[dict], whole: dict) -> None:
-    """Streamed `logprobs` parts, joined, are the whole answer's; the values to rounding: the second request
-    finds the first's scored prompt cached, and its last token's row, computed alone, differs in the last bits."""
-    streamed = {k: [x for part in parts for x in part[k]] for k in whole}
-    assert streamed["tokens"] == whole["tokens"] and streamed["text_offset"] == whole["text_offset"]
-    assert streamed["token_logprobs"] == pytest.approx(whole["token_logprobs"], abs=1e-5)
-    assert len(streamed["top_logprobs"]) == len(whole["top_logprobs"])
-    for mine, theirs in zip(streamed["top_logprobs"], whole["top_logprobs"]):
-        assert mine == (None if theirs is None else pytest.approx(theirs, abs=1e-5))
+    """Streamed `logprobs` parts, joined, are the whole answer's (its floats to rounding: `assert_close`)."""
+    assert_close({k: [x for part in parts for x in part[k]] for k in whole}, whole)
 
 
 def test_a_stop_token_sampled_after_an_echoed_prompt_is_listed_as_the_generated_entry(make_engine, decode_alone,

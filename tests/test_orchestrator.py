@@ -337,7 +337,7 @@ def test_the_first_node_of_a_later_question_starts_after_the_cached_preamble(mak
             run[1] = await super().generate(request)
             return run[1]
 
-    engine = AsyncEngine(make_engine(max_batch_size=4, max_model_len=512))
+    engine = AsyncEngine(make_engine(max_batch_size=4, max_model_len=512, cache_answers=False))  # marked reuse only
     client = GivenPlanClient(engine)
     config = AnswerConfig(max_tokens=16, node_max_tokens=4, plan_constraint=None)
 

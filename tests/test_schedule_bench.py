@@ -29,7 +29,7 @@ PREDICTION_S = 0.25
 
 
 def engine(tiny_model, tiny_tokenizer, **config) -> LLMEngine:
-    built = LLMEngine(tiny_model, tiny_tokenizer, EngineConfig(max_model_len=256, **config))
+    built = LLMEngine(tiny_model, tiny_tokenizer, EngineConfig(max_model_len=256, cache_answers=False, **config))
     built.stop_token_ids = STOP_IDS
     return built
 
