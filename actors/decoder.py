@@ -58,6 +58,9 @@ class DecoderReplica:
                 async for item in self.engine.stream(request):
                     if isinstance(item, Result) and item.kept_kv_tokens:  # for children on other replicas
                         await self._publish((request.prompt_ids + item.token_ids)[: item.kept_kv_tokens])
+                    if isinstance(item, Result) and self.observer is not None:
+                        self.observer.prompt_tokens(len(request.prompt_ids) + len(request.resume_ids),
+                                                    item.prefix_hit_tokens)
                     queue.put_nowait(item)
                     if prefix is not None:  # the first item comes after its prefill: the prefix is cached
                         await self._publish(prefix, len(prefix) < len(request.prompt_ids))

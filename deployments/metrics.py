@@ -86,9 +86,19 @@ class DecoderMetrics:
                               "fetched (from the context cache), computed (miss).", tag_keys=("outcome",))
         self.drafts = Counter("plato_draft_tokens_total", "Prompt-lookup draft tokens the decoders checked, by "
                               "outcome: kept (each saved a step) or dropped.", tag_keys=("outcome",))
+        # vLLM's pair, so a dashboard's hit rate (rate of hits over rate of queries) carries over
+        self.cache_queries = Counter("plato_prefix_cache_queries_total", "Prompt tokens the decoders looked up "
+                                     "in their prefix caches (every admitted prompt, resumed answers included).")
+        self.cache_hits = Counter("plato_prefix_cache_hits_total", "Of those, the tokens whose KV came from the "
+                                  "cache (not computed).")
 
     def generated(self, count: int) -> None:
         self.tokens.inc(count)
+
+    def prompt_tokens(self, queried: int, hit: int) -> None:
+        self.cache_queries.inc(queried)
+        if hit:
+            self.cache_hits.inc(hit)
 
     def prefix_lookup(self, outcome: str) -> None:
         self.prefix.inc(tags={"outcome": outcome})

@@ -152,6 +152,9 @@ def test_the_decoder_replica_reports_kept_and_dropped_draft_tokens_once(make_eng
         def prefix_lookup(self, outcome):
             pass
 
+        def prompt_tokens(self, queried, hit):
+            self.queried, self.hit = getattr(self, "queried", 0) + queried, getattr(self, "hit", 0) + hit
+
         def drafted(self, kept, dropped):
             self.kept, self.dropped = self.kept + kept, self.dropped + dropped
 
@@ -171,5 +174,7 @@ def test_the_decoder_replica_reports_kept_and_dropped_draft_tokens_once(make_eng
     finally:
         decoder.engine.shutdown()
     assert recorder.tokens == 60
+    # the second prompt is the first's: it starts from the first answer's KV, all but its last token
+    assert recorder.queried == 2 * len(repetitive(1)) and recorder.hit == len(repetitive(1)) - 1
     assert recorder.kept == stats["accepted_draft_tokens"] > 0
     assert recorder.dropped == stats["draft_tokens"] - stats["accepted_draft_tokens"]

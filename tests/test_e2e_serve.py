@@ -228,3 +228,24 @@ def test_streaming_bad_input_is_400_before_any_event(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000, "stream": True}
     response = server.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+
+
+def test_prometheus_metrics_are_exported_under_the_names_the_readme_lists(server):
+    # as `ray_plato_...`: Ray's exporter prefixes the custom metrics of `ray.serve.metrics` with `ray_`
+    import re
+    import time
+
+    import ray
+
+    assert _ask(server, "Name a river.", max_tokens=8).status_code == 200
+    port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    wanted = {"plato_generated_tokens_total", "plato_prefix_cache_queries_total", "plato_answers_total",
+              "plato_request_latency_seconds_bucket", "plato_batcher_batch_size_bucket"}
+    deadline, names = time.monotonic() + 90, set()
+    while time.monotonic() < deadline:  # replicas report every few seconds
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        names = set(re.findall(r"^ray_(plato_\w+)", text, re.MULTILINE))  # Ray prefixes every custom metric
+        if wanted <= names:
+            break
+        time.sleep(3)
+    assert wanted <= names, sorted(names)
