@@ -9,12 +9,13 @@ sides decode greedily with the loop stop off, so they do the same work; they tak
 alternating which goes first). Per side: the interactive requests' time to first token and latency
 (mean, p90), the job's whole time, output tokens/s. `ttft_gain` = the interactive mean time to first
 token with every request at 0 over that with the job at 1.
-Writes bench/results/priority.json."""
+Writes bench/results/priority.json (`--http`: priority_http.json)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -33,29 +34,76 @@ def _request(prompt: str, max_tokens: int, priority: int, stream: bool = False) 
                                  priority=priority, stream=stream, stream_options={"include_usage": True} if stream else None)
 
 
-async def _chat(service: CompletionService, prompt: str, max_tokens: int, delay: float, started: float) -> dict:
+# the two ways a side asks: chat(prompt, max_tokens) -> (seconds to first text, latency, tokens) streamed;
+# job(prompt, max_tokens, priority) -> tokens
+Chat = Callable[[str, int], Awaitable[tuple[float, float, int]]]
+Job = Callable[[str, int, int], Awaitable[int]]
+
+
+def in_process(service: CompletionService) -> tuple[Chat, Job]:
+    async def chat(prompt: str, max_tokens: int) -> tuple[float, float, int]:
+        sent, first, tokens = time.perf_counter(), None, 0
+        async for chunk in service.stream(_request(prompt, max_tokens, 0, stream=True)):
+            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+        done = time.perf_counter()
+        return (first or done) - sent, done - sent, tokens
+
+    async def job(prompt: str, max_tokens: int, priority: int) -> int:
+        return (await service.complete(_request(prompt, max_tokens, priority))).usage.completion_tokens
+
+    return chat, job
+
+
+def over_http(session) -> tuple[Chat, Job]:
+    """The same asks to the Serve application over HTTP (`session`: bench.serve_bench.http_session)."""
+    from bench.serve_bench import _text_lines, read_sse
+
+    def body(prompt: str, max_tokens: int, priority: int, stream: bool) -> dict:
+        asked = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+                 "priority": priority}
+        return asked | ({"stream": True, "stream_options": {"include_usage": True}} if stream else {})
+
+    async def chat(prompt: str, max_tokens: int) -> tuple[float, float, int]:
+        started = time.perf_counter()
+        async with session.post("/v1/chat/completions", json=body(prompt, max_tokens, 0, True)) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
+            record = await read_sse(_text_lines(response.content), started)
+        if record.error:
+            raise RuntimeError(record.error)
+        return record.ttft_s or record.latency_s, record.latency_s, record.tokens
+
+    async def job(prompt: str, max_tokens: int, priority: int) -> int:
+        async with session.post("/v1/chat/completions", json=body(prompt, max_tokens, priority, False)) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
+            return (await response.json())["usage"]["completion_tokens"]
+
+    return chat, job
+
+
+async def _timed_chat(chat: Chat, prompt: str, max_tokens: int, delay: float, started: float) -> dict:
     await asyncio.sleep(delay)
-    sent, first, tokens = time.perf_counter(), None, 0
-    async for chunk in service.stream(_request(prompt, max_tokens, 0, stream=True)):
-        if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-            first = time.perf_counter()
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-    done = time.perf_counter()
-    return {"sent_s": round(sent - started, 3), "ttft_s": round((first or done) - sent, 3),
-            "latency_s": round(done - sent, 3), "tokens": tokens}
+    sent = time.perf_counter()
+    ttft, latency, tokens = await chat(prompt, max_tokens)
+    return {"sent_s": round(sent - started, 3), "ttft_s": round(ttft, 3), "latency_s": round(latency, 3),
+            "tokens": tokens}
 
 
-async def _job(service: CompletionService, prompts: list[str], max_tokens: int, priority: int) -> dict:
+async def _job(job: Job, prompts: list[str], max_tokens: int, priority: int) -> dict:
     started = time.perf_counter()
-    answers = await asyncio.gather(*(service.complete(_request(p, max_tokens, priority)) for p in prompts))
-    return {"seconds": round(time.perf_counter() - started, 3), "tokens": sum(a.usage.completion_tokens for a in answers)}
+    tokens = await asyncio.gather(*(job(p, max_tokens, priority) for p in prompts))
+    return {"seconds": round(time.perf_counter() - started, 3), "tokens": sum(tokens)}
 
 
-async def _side(service: CompletionService, job: list[str], chats: list[str], args, priority: int) -> dict:
+async def _side(asks: tuple[Chat, Job], job: list[str], chats: list[str], args, priority: int) -> dict:
+    chat_with, job_with = asks
     started = time.perf_counter()
-    job_task = asyncio.create_task(_job(service, job, args.job_tokens, priority))
-    interactive = await asyncio.gather(*(_chat(service, p, args.chat_tokens, 1.0 + i * args.every, started)
+    job_task = asyncio.create_task(_job(job_with, job, args.job_tokens, priority))
+    interactive = await asyncio.gather(*(_timed_chat(chat_with, p, args.chat_tokens, 1.0 + i * args.every, started)
                                          for i, p in enumerate(chats)))
     job_result = await job_task
     wall = time.perf_counter() - started
@@ -77,32 +125,51 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--chat-tokens", type=int, default=32)
     parser.add_argument("--every", type=float, default=2.0)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--slots", type=int, default=16, help="the engine's max_batch_size")
+    parser.add_argument("--slots", type=int, default=16, help="the engine's max_batch_size (in process)")
+    parser.add_argument("--http", action="store_true", help="through the Serve application of cluster/local.yaml "
+                        "over HTTP (its batcher, its 32-slot decoder, its loop stop), not one engine in process")
     args = parser.parse_args(argv)
     if args.quick:
         args.job, args.chats, args.repeats = 24, 3, 1
 
     rows = [r["prompt"] for r in load_jsonl("sharegpt_serve.jsonl")]
     job, chats = rows[: args.job], rows[args.job : args.job + args.chats]
-    config = EngineConfig(max_batch_size=args.slots, max_model_len=2048)
-    engine = AsyncEngine(lambda: LLMEngine.from_config(config))
-    service = CompletionService(engine, ApiLimits(stop_on_loop=False))
-    runs = {side: [] for side in SIDES}
-    try:
-        asyncio.run(service.complete(_request(rows[-1], 4, 0)))  # warm up, untimed
+
+    async def sides(asks: tuple[Chat, Job]) -> dict:
+        await asyncio.gather(*(asks[1](p, 8, 0) for p in rows[-8:]))  # warm up (a batch, not one), untimed
+        runs = {side: [] for side in SIDES}
         for repeat in range(args.repeats):
-            order = list(SIDES) if repeat % 2 == 0 else list(SIDES)[::-1]
-            for side in order:
-                runs[side].append(asyncio.run(_side(service, job, chats, args, SIDES[side])))
-    finally:
-        engine.shutdown()
+            for side in list(SIDES) if repeat % 2 == 0 else list(SIDES)[::-1]:
+                runs[side].append(await _side(asks, job, chats, args, SIDES[side]))
+        return runs
+
+    if args.http:
+        from bench.serve_bench import app_args, http_session, serve_app
+
+        served = app_args(predictor=False)
+        args.slots = served["engine"]["max_batch_size"]
+
+        async def over_the_app(base_url: str) -> dict:
+            async with http_session(base_url) as session:
+                return await sides(over_http(session))
+
+        with serve_app(served) as base_url:
+            runs = asyncio.run(over_the_app(base_url))
+    else:
+        config = EngineConfig(max_batch_size=args.slots, max_model_len=2048)
+        engine = AsyncEngine(lambda: LLMEngine.from_config(config))
+        try:
+            runs = asyncio.run(sides(in_process(CompletionService(engine, ApiLimits(stop_on_loop=False)))))
+        finally:
+            engine.shutdown()
     summary = {side: {key: round(float(np.mean([r[key] for r in runs[side]])), 3)
                       for key in ("ttft_mean_s", "ttft_p90_s", "latency_mean_s", "latency_p90_s", "tokens_per_s")}
                | {"job_s": round(float(np.mean([r["job"]["seconds"] for r in runs[side]])), 2)} for side in SIDES}
     low, same = summary["job at priority 1"], summary["all at priority 0"]
     payload = {
         "job": args.job, "job_tokens": args.job_tokens, "chats": args.chats, "chat_tokens": args.chat_tokens,
-        "every_s": args.every, "slots": args.slots, "repeats": args.repeats, "summary": summary, "runs": runs,
+        "every_s": args.every, "slots": args.slots, "repeats": args.repeats, "http": args.http,
+        "summary": summary, "runs": runs,
         "ttft_gain": round(same["ttft_mean_s"] / low["ttft_mean_s"], 2),
         "latency_gain": round(same["latency_mean_s"] / low["latency_mean_s"], 2),
         "job_time_ratio": round(low["job_s"] / same["job_s"], 3),
@@ -113,5 +180,5 @@ def run(argv: list[str]) -> dict:
                   s["tokens_per_s"]] for side, s in summary.items()]))
     print(f"ttft_gain {payload['ttft_gain']}, latency_gain {payload['latency_gain']}, job time with it at priority 1: "
           f"{payload['job_time_ratio']}x")
-    print(f"wrote {write_result('priority', payload)}")
+    print(f"wrote {write_result('priority_http' if args.http else 'priority', payload)}")
     return payload

@@ -108,8 +108,8 @@ class _RequestFields(BaseModel):
                              "(benchmarks).")
     priority: int = Field(0, ge=-2**31, le=2**31 - 1, description="vLLM's: the lower, the sooner this request is "
                           "decoded when requests wait (0 by default; a batch job may send 1 to let interactive traffic "
-                          "go first). Equal priorities go in arrival order, and a request that has waited the batcher's "
-                          "aging_s goes before any priority, so none starves.")
+                          "go first). It is strict, as vLLM's: a lower priority waits while a higher one waits; "
+                          "within one priority the batcher's length bins and aging decide.")
     n: int = Field(1, ge=1, le=128, description="How many answers (choices) to the one prompt; the server's "
                    "limits.max_choices caps it. Plain answers only.")
     stream: bool = Field(False, description="Answer as server-sent events, tokens as they are decoded.")

@@ -51,7 +51,7 @@ class BatcherConfig(BaseModel):
         30.0,
         gt=0,
         description="A request in the batcher longer than this (counted from its first submit) is served "
-        "before any bin or priority, so long requests never starve.",
+        "before any other bin's of its priority, so long requests never starve.",
     )
     default_bin: int | None = Field(
         None,
@@ -88,14 +88,18 @@ class Batcher:
     """Queues requests per length bin and hands out micro-batches.
 
     Picking the bin (`next_batch`):
-      1. a bin holding an aged request (in the batcher aging_s or longer) wins, the oldest first;
-      2. else the bin holding the highest priority (DAG nodes on a critical path);
+      1. the bin holding the highest priority (the API's `priority`: chats before a batch job; DAG
+         nodes on a critical path);
+      2. among those, a bin holding an aged request (in the batcher aging_s or longer), the oldest
+         first, so no request starves behind others of its priority;
       3. else the fullest bin: the share of a batch its queue fills (tokens against the budget, or
          count against max_batch_size), capped at one, so every bin that fills a batch ties;
       4. ties go to the bin whose oldest request came first.
-    Packing the bin: aged requests (oldest first), then by priority, then queue order, first fit
+    Packing the bin: by priority, then aged requests (oldest first), then queue order, first fit
     under the token budget and max_batch_size; the first request always goes, even alone over the
     budget. Failed batches and requests missing from a report return to the front of their queue.
+    Priority is strict, as vLLM's priority scheduling is: a lower one waits while a higher one
+    waits (a batch job behind chats however long it has queued).
     """
 
     def __init__(self, config: BatcherConfig | None = None):
@@ -167,8 +171,8 @@ class Batcher:
             oldest = min(queue, key=lambda e: (e.submitted_at, e.seq))
             age = now - oldest.submitted_at
             key = (
-                age if age >= self.config.aging_s else 0.0,
                 max(e.request.priority for e in queue),
+                age if age >= self.config.aging_s else 0.0,
                 self._fill(queue, budget),
                 -oldest.submitted_at,
                 -oldest.seq,
@@ -187,7 +191,7 @@ class Batcher:
         def order(indexed: tuple[int, _Entry]):
             index, e = indexed
             aged = now - e.submitted_at >= self.config.aging_s
-            return (not aged, e.submitted_at if aged else 0.0, -e.request.priority, index)
+            return (-e.request.priority, not aged, e.submitted_at if aged else 0.0, index)
 
         taken, used = [], 0
         for _, entry in sorted(enumerate(queue), key=order):

@@ -164,6 +164,16 @@ def test_priority_goes_first_across_and_within_bins():
     assert ids_of(b.next_batch(now=5)) == ["urgent", "s0"]
 
 
+def test_a_request_aged_in_the_queue_still_waits_for_a_higher_priority_one():
+    # a batch job at priority -1 (the API's 1) queued long ago, a chat at 0 just now: the chat goes first
+    b = batcher(aging_s=30, max_batch_size=2)
+    for i in range(4):
+        b.submit(req(f"job{i}", predicted=900, priority=-1), now=0)
+    b.submit(req("chat", predicted=10), now=100)
+    assert ids_of(b.next_batch(now=101)) == ["chat"]
+    assert ids_of(b.next_batch(now=102)) == ["job0", "job1"]  # then the job, oldest first
+
+
 def test_garbage_predictions_use_the_default_bin_and_are_counted():
     b = batcher(default_bin=2)
     b.submit(req("none"), now=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from bench.priority_bench import _side
+from bench.priority_bench import _side, in_process
 from deployments.completion_service import ApiLimits, CompletionService
 from engine.async_engine import AsyncEngine
 from test_api import WORDS
@@ -14,8 +14,8 @@ def test_a_side_answers_the_job_and_every_chat_and_counts_their_tokens(make_engi
     engine = AsyncEngine(make_engine(max_batch_size=2))
     args = argparse.Namespace(job_tokens=6, chat_tokens=4, every=0.05)
     try:
-        side = asyncio.run(_side(CompletionService(engine, ApiLimits(stop_on_loop=False)), [WORDS] * 5,
-                                 ["baba", "babe"], args, priority=1))
+        asks = in_process(CompletionService(engine, ApiLimits(stop_on_loop=False)))
+        side = asyncio.run(_side(asks, [WORDS] * 5, ["baba", "babe"], args, priority=1))
     finally:
         engine.shutdown()
     assert side["job"]["tokens"] == 5 * 6  # the tiny model never stops by itself: every answer runs to its budget
