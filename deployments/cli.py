@@ -55,7 +55,8 @@ def _ask(args, parser) -> int:
         model = args.model or client.with_options(max_retries=0).models.list().data[0].id
         reply = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": args.question}],
-            extra_body={"mode": args.mode} if args.mode else None, **options,
+            extra_body={k: v for k, v in (("mode", args.mode), ("priority", args.priority)) if v is not None} or None,
+            **options,
         )
         if args.stream:
             mode, usage = _print_stream(reply)
@@ -155,13 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--model", help="The served model's name; default: the one GET /v1/models lists.")
     ask.add_argument("--max-tokens", type=int, help="Answer budget; default: the server's.")
     ask.add_argument("--temperature", type=float, help="Sampling temperature; default: the server's (0, greedy).")
+    ask.add_argument("--priority", type=int, help="vLLM's priority: lower is decoded sooner when requests wait "
+                     "(default 0).")
     ask.add_argument("--stream", action="store_true", help="Print tokens as they are decoded.")
     ask.add_argument("--json", action="store_true", help="JSON mode: the answer is one JSON object.")
     ask.add_argument("--schema", metavar="FILE", help="Structured output: the answer validates against the JSON "
                      "Schema in FILE.")
     _job_parser(commands)
     bench = _command(commands, "bench", _bench, "run a benchmark: the same as `python -m bench <scenario> ...`")
-    bench.add_argument("scenario", help="engine, steps, plato, judge, schedule, schedule-sim or serve")
+    from bench.__main__ import SCENARIOS
+
+    bench.add_argument("scenario", choices=sorted(SCENARIOS), help="Which benchmark (the README's Benchmarks).")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="Passed on to the scenario.")
     return parser
 

@@ -36,12 +36,13 @@ def refused(capsys, *argv: str) -> str:
 
 
 def test_ask_prints_the_answer_and_sends_mode_and_budget(fake, capsys):
-    assert plato("ask", "What is Ray?", "--base-url", fake.url, "--mode", "plato", "--max-tokens", "5") == 0
+    assert plato("ask", "What is Ray?", "--base-url", fake.url, "--mode", "plato", "--max-tokens", "5",
+                 "--priority", "2") == 0
     out, err = capsys.readouterr()
     assert out == "echo: What is Ray?\n"
     assert err.startswith("[mode plato, 3+4 tokens, ")
     [body] = fake.requests
-    assert (body["model"], body["mode"], body["max_tokens"]) == ("fake-model", "plato", 5)
+    assert (body["model"], body["mode"], body["max_tokens"], body["priority"]) == ("fake-model", "plato", 5, 2)
     assert "temperature" not in body and not body.get("stream") and "response_format" not in body
 
 
