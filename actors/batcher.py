@@ -42,6 +42,10 @@ class DispatchConfig(BaseModel):
         32, ge=1, description="Micro-batches handed to decoders and not yet finished; keep it at or below the "
         "Decoder deployment's max_ongoing_requests times its replicas, so none waits in Serve's router. Requests "
         "that arrive one by one leave as micro-batches of one, so keep it near max_requests_in_flight.")
+    preempt: bool = Field(
+        True, description="With the decoders' slots all taken, still hand out requests of a higher priority than "
+        "some in flight (one for each such lower one), so the decoder's engine preempts a lower one for each "
+        "(engine.preempt_for_priority) instead of the request waiting for an answer to end.")
     predict_timeout_s: float = Field(5.0, gt=0, description="A prediction slower than this is skipped (default bin).")
     stream_interval_s: float = Field(
         0.05, ge=0, description="A streamed answer's tokens after its first are sent on at most this often, "
@@ -111,6 +115,7 @@ class BatcherActor:
         self._loop_task: asyncio.Task | None = None
         self._room = asyncio.Event()  # set whenever a dispatched request or micro-batch finishes
         self._out_batches = self._out_requests = 0  # pushed to decoders, not yet finished
+        self._out_priority: dict[str, int] = {}  # request id -> priority, of those
         self.counts = {"predictions": 0, "predictions_skipped": 0, "prediction_failures": 0, "refused": 0}
 
     # ---- requests in ----------------------------------------------------------------------------
@@ -169,6 +174,7 @@ class BatcherActor:
             self._progress_logprobs[request.id] = [lp.model_dump() for lp in request.resume_logprobs]
         self._predicted[request.id] = request.predicted_len
         self._queued.set()
+        self._room.set()  # a higher priority than some in flight may go at once (`_dispatch_room`)
         if self._send_batch is not None and self._loop_task is None:
             self._loop_task = asyncio.create_task(self._push_loop())
         return waiter
@@ -216,15 +222,23 @@ class BatcherActor:
                 continue
             self._out_batches += 1
             self._out_requests += len(batch["requests"])
+            self._out_priority.update((r["id"], r["priority"]) for r in batch["requests"])
             task = asyncio.create_task(self._run_remote(batch))
             running.add(task)
             task.add_done_callback(running.discard)
 
     def _dispatch_room(self) -> int:
-        """How many more requests may go to the decoders now (0: wait until a request or batch ends)."""
+        """How many more requests may go to the decoders now (0: wait until a request or batch ends):
+        their free sequence slots, or with every slot taken, as many requests of a higher priority than
+        some in flight as there are lower ones in flight for the decoders to preempt."""
         if self._out_batches >= self.dispatch.max_batches_in_flight:
             return 0
-        return max(0, self.dispatch.max_requests_in_flight - self._out_requests)
+        room = self.dispatch.max_requests_in_flight - self._out_requests
+        if room > 0 or not self.dispatch.preempt or not self._out_priority:
+            return max(0, room)
+        lowest = min(self._out_priority.values())
+        above = self.core.queued_above(lowest)
+        return min(above, sum(p == lowest for p in self._out_priority.values())) if above else 0
 
     async def _run_remote(self, batch: dict) -> None:
         """Stream one micro-batch from a decoder. Each request is settled, and its sequence slot
@@ -243,6 +257,7 @@ class BatcherActor:
                     self._settle(self.core.report_one(batch["id"], result), result, refused)
                     holding -= 1
                     self._out_requests -= 1
+                    self._out_priority.pop(result.request_id, None)
                     self._room.set()
         except Exception:  # the replica died or the call failed: what it finished is settled already;
             # the rest is re-queued after the tokens it streamed
@@ -252,6 +267,8 @@ class BatcherActor:
         finally:
             self._out_batches -= 1
             self._out_requests -= holding
+            for request in batch["requests"]:
+                self._out_priority.pop(request["id"], None)
             self._room.set()
         await self.report(batch["id"], [], partial=failed, partial_logprobs=failed_logprobs)
 

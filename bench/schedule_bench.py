@@ -574,8 +574,10 @@ def run(argv: list[str]) -> dict:
     params = SamplingParams(max_tokens=max_tokens, stop_on_loop=True)
 
     # as the labels were made; no drafts: the kept runs were made without, and the padded policies count rows x steps;
-    # no answers cached: a policy must not start from the KV of the one before (the paper's systems keep none)
-    config = EngineConfig(max_batch_size=VANILLA_BATCH, max_model_len=1024, speculative_tokens=0, cache_answers=False)
+    # no answers cached: a policy must not start from the KV of the one before (the paper's systems keep none);
+    # continuous+predicted orders admission by priority, shortest first, without preempting what runs
+    config = EngineConfig(max_batch_size=VANILLA_BATCH, max_model_len=1024, speculative_tokens=0, cache_answers=False,
+                          preempt_for_priority=False)
     device, dtype = select_device_and_dtype(config)
     hf_model, tokenizer = load_hf_model(resolve_model_dir(config.model), dtype, device)
     continuous = LLMEngine(hf_model, tokenizer, config)

@@ -36,6 +36,11 @@ class EngineConfig(BaseModel):
     prefix_cache_bytes: int = Field(
         256 * 2**20, ge=0, description="Memory bound of the prefix KV LRU; 0 disables prefix reuse."
     )
+    preempt_for_priority: bool = Field(
+        True, description="When every slot is taken and a request waits with a higher priority than a running one, "
+        "the lowest-priority running answer gives up its slot and waits, its answer so far kept (its KV in the prefix "
+        "cache with cache_answers), then goes on where it was: a chat need not wait for a batch job's answers to "
+        "end (as vLLM's priority scheduling preempts). Requests of one priority never preempt each other.")
     cache_answers: bool = Field(
         True, description="Automatic prefix caching: keep each finished answer's prompt-and-answer KV in the prefix "
         "cache, so the next turn of its conversation (whose prompt starts with it) and an answer cut to be continued "

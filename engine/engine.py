@@ -52,6 +52,8 @@ class _Sequence:
     prompt_logprobs: list[TokenLogprob] | None = None  # with params.prompt_logprobs, once the prompt is computed
     cached_scores: list[TokenLogprob] = field(default_factory=list)  # those of its first tokens a cached entry gave
     prompt_scores_sent: bool = False  # in an event already: only the first event carries them
+    order: int = 0  # arrival order: first come first served within a priority, kept when preempted
+    preemptions: int = 0  # times a higher priority took its slot (it waited, then went on where it was)
     stop_logprob: TokenLogprob | None = None  # with logprobs: the stop token's that ended the answer
 
     @property
@@ -108,7 +110,8 @@ class LLMEngine(Engine):
         self._order = itertools.count()
         self._token_texts: dict[int, str] = {}  # each token decoded alone, for logprobs
         self._stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0, "step_s": 0.0,
-                       "forced_tokens": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "mixed_steps": 0}
+                       "forced_tokens": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "mixed_steps": 0,
+                       "preempted": 0}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -157,7 +160,8 @@ class LLMEngine(Engine):
             sequence.detokenizer.add(sequence.generated)
             sequence.sent_chars = len(sequence.detokenizer.text)
         self._by_id[request.id] = sequence
-        heapq.heappush(self._waiting, (-request.priority, next(self._order), sequence))
+        sequence.order = next(self._order)
+        heapq.heappush(self._waiting, (-request.priority, sequence.order, sequence))
 
     def abort(self, request_id: str) -> bool:
         sequence = self._by_id.get(request_id)
@@ -183,6 +187,7 @@ class LLMEngine(Engine):
         self._stats["steps"] += 1
         running = list(self._running)
         admission = self._select_admissions()
+        running = [s for s in running if s.slot >= 0]  # less any preempted for a higher priority
         if running and admission.items and self.config.mixed_batches:
             # one forward pass: the running batch decodes while the admitted prompts prefill beside it
             self._stats["mixed_steps"] += 1
@@ -287,9 +292,15 @@ class LLMEngine(Engine):
         """Move waiting requests into free slots (a cached prefix's KV written in) and say what of
         their prompts is still to compute; the forward pass that computes it is the caller's."""
         admission, budget = _Admission(), self.config.max_prefill_tokens
-        caching, scoring = set(), []
-        while self._waiting and len(self._running) < self.runner.max_slots:
+        caching, scoring, preempted = set(), [], []
+        while self._waiting:
             sequence = self._waiting[0][2]
+            if len(self._running) >= self.runner.max_slots:
+                victim = self._victim(sequence, admission)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted.append(victim)
             todo = sequence.tokens
             scores_prompt = sequence.request.params.prompt_logprobs is not None  # needs every prompt row's logits
             hit, taken = (None, 0) if scores_prompt else self._prefix_hit(todo)
@@ -317,24 +328,53 @@ class LLMEngine(Engine):
             sequence.slot = len(self._running)
             self._running.append(sequence)
             admission.sequences.append(sequence)
+            start = 0  # tokens whose KV is written in from the cache
             if hit is not None:
                 self.runner.write_slot(sequence.slot, hit.kv if taken == len(hit.token_ids)
                                        else tuple(t[:, :, :taken] for t in hit.kv))
-                sequence.prefix_hit = taken
+                start = taken
                 if taken == len(todo):
                     admission.cached_logits[id(sequence)] = hit.last_logits
             elif scored_hit is not None:
                 self.prefix_cache.count(scored_hit, reused)
                 self.runner.write_slot(sequence.slot, tuple(t[:, :, :reused] for t in scored_hit.kv))
-                sequence.prefix_hit = reused
+                start = reused
                 top = sequence.request.params.prompt_logprobs
                 sequence.cached_scores = [s if len(s.top) <= top else s.model_copy(update={"top": s.top[:top]})
                                           for s in scored_hit.scores[:reused]]
-            sequence.cached = sequence.prefix_hit
+            if not sequence.preemptions:  # a preempted one reports the hit of its first admission
+                sequence.prefix_hit = start
+            sequence.cached = start
             if need:
-                admission.items.append(PrefillItem(sequence.slot, todo[sequence.prefix_hit :], sequence.prefix_hit,
+                admission.items.append(PrefillItem(sequence.slot, todo[start:], start,
                                                    prefix_end=to_cache, logit_rows=need if scores_prompt else 1))
+        for sequence in preempted:  # back in line where they were, from the next step on
+            heapq.heappush(self._waiting, (-sequence.request.priority, sequence.order, sequence))
         return admission
+
+    def _victim(self, waiting: _Sequence, admission: _Admission) -> _Sequence | None:
+        """The running sequence to preempt so `waiting` can start now: the lowest priority below its
+        own, the latest to arrive among those; None when none is lower (or preemption is off). A scored
+        prompt is never preempted (its scores need its whole prompt's rows in one pass)."""
+        if not self.config.preempt_for_priority:
+            return None
+        admitted = {id(s) for s in admission.sequences}
+        lower = [s for s in self._running if s.request.priority < waiting.request.priority and s.finish is None
+                 and s.request.params.prompt_logprobs is None and id(s) not in admitted]
+        return min(lower, key=lambda s: (s.request.priority, -s.order), default=None)
+
+    def _preempt(self, sequence: _Sequence) -> None:
+        """Take the sequence out of its slot, its answer so far kept: its KV goes to the prefix cache
+        (a spare entry, with `cache_answers`), so it goes on from there when a slot frees, as if it had
+        waited a while between two tokens."""
+        if self.cache_answers:
+            key = tuple(sequence.tokens[: sequence.cached])
+            if self.prefix_cache.get(key) is None:
+                self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, len(key)), None,
+                                                  spare=True))
+        self._free_slot(sequence)
+        sequence.cached, sequence.preemptions = 0, sequence.preemptions + 1
+        self._stats["preempted"] += 1
 
     def _prefix_hit(self, prompt: list[int]) -> tuple[PrefixEntry | None, int]:
         """The cached entry a prompt starts from and how many of its tokens it takes: with
@@ -538,13 +578,16 @@ class LLMEngine(Engine):
     def _release(self, sequence: _Sequence) -> None:
         """Free the slot at once: the last running sequence moves into it, keeping slots dense."""
         self._keep_answer_kv(sequence)  # before another sequence moves into its slot
+        self._free_slot(sequence)
+        self._store_result(sequence, sequence.finish)
+
+    def _free_slot(self, sequence: _Sequence) -> None:
         slot, last = sequence.slot, self._running.pop()
         if last is not sequence:
             self.runner.move_slot(last.slot, slot, last.cached)
             last.slot = slot
             self._running[slot] = last
         sequence.slot = -1
-        self._store_result(sequence, sequence.finish)
 
     def _keep_answer_kv(self, sequence: _Sequence) -> None:
         """Keep the prompt-and-answer KV of an answer that asks (`keep_kv`), or, with `cache_answers`, of

@@ -316,6 +316,10 @@ class Batcher:
         """Requests waiting in the queues."""
         return sum(len(q) for q in self._queues)
 
+    def queued_above(self, priority: int) -> int:
+        """Requests waiting with a priority above `priority`."""
+        return sum(e.request.priority > priority for queue in self._queues for e in queue)
+
     def in_flight(self) -> int:
         """Requests handed out in batches not yet reported or failed."""
         return sum(len(entries) for entries in self._in_flight.values())

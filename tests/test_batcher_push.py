@@ -332,3 +332,44 @@ def test_events_gathered_into_one_message_keep_the_prompts_scores_of_the_first()
     merged = _merged(events)
     assert merged["token_ids"] == [1, 2] and merged["text"] == "ab" and merged["prompt_logprobs"] == [score]
     assert _merged(events[1:] * 2)["prompt_logprobs"] is None
+
+
+class HoldingDecoder:
+    """Streams nothing until `release` is set; records each request id it was handed, in order."""
+
+    def __init__(self):
+        self.handed, self.release = [], asyncio.Event()
+
+    async def __call__(self, batch: dict):
+        self.handed.extend(r["id"] for r in batch["requests"])
+        await self.release.wait()
+        for r in batch["requests"]:
+            yield {"result": {"request_id": r["id"], "prompt_tokens": 2, "token_ids": [1], "text": "",
+                              "finish_reason": "stop", "ttft_s": 0.0, "latency_s": 0.0}}
+
+
+@pytest.mark.parametrize("preempt", [True, False])
+def test_with_every_slot_taken_a_higher_priority_still_goes_to_the_decoders(preempt):
+    def at(rid: str, priority: int) -> dict:
+        return GenerationRequest(id=rid, prompt_ids=[5, 6], params=SamplingParams(max_tokens=64), predicted_len=3,
+                                 priority=priority).model_dump()
+
+    async def main():
+        decoder = HoldingDecoder()
+        actor = BatcherActor({"bins": {"edges": [4, 64]}}, send_batch=decoder,
+                             dispatch={"max_requests_in_flight": 2, "preempt": preempt})
+        asks = [asyncio.create_task(actor.submit(at(f"job{i}", -1))) for i in range(3)]
+        await asyncio.sleep(0.2)
+        handed_first = list(decoder.handed)
+        asks.append(asyncio.create_task(actor.submit(at("chat", 0))))
+        await asyncio.sleep(0.2)
+        handed_then = list(decoder.handed)
+        decoder.release.set()
+        await asyncio.gather(*asks)
+        return handed_first, handed_then, decoder.handed
+
+    first, then, everything = run(main())
+    assert first == ["job0", "job1"]  # two slots
+    # the decoder's engine preempts a job answer for the chat; without, the chat waits for a slot
+    assert then == (["job0", "job1", "chat"] if preempt else ["job0", "job1"])
+    assert sorted(everything) == ["chat", "job0", "job1", "job2"]  # all answered, none twice

@@ -210,7 +210,7 @@ def test_finished_sequence_frees_its_slot_for_a_waiting_one(make_engine):
 
 # ---- priority -----------------------------------------------------------------------------------
 def test_higher_priority_is_admitted_first_and_ties_are_fifo(make_engine):
-    engine = make_engine(max_batch_size=1)
+    engine = make_engine(max_batch_size=1, preempt_for_priority=False)  # tests/test_preemption.py: with it
     engine.add(req("blocker", ids(4, 60), max_tokens=3))
     engine.step()
     engine.add(req("low", ids(4, 61), max_tokens=2, priority=0))

@@ -29,7 +29,8 @@ PREDICTION_S = 0.25
 
 
 def engine(tiny_model, tiny_tokenizer, **config) -> LLMEngine:
-    built = LLMEngine(tiny_model, tiny_tokenizer, EngineConfig(max_model_len=256, cache_answers=False, **config))
+    built = LLMEngine(tiny_model, tiny_tokenizer, EngineConfig(max_model_len=256, cache_answers=False, preempt_for_priority=False,
+                                                                **config))
     built.stop_token_ids = STOP_IDS
     return built
 
