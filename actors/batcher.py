@@ -114,8 +114,8 @@ class BatcherActor:
         self._queued = asyncio.Event()  # set whenever a request may have become available
         self._loop_task: asyncio.Task | None = None
         self._room = asyncio.Event()  # set whenever a dispatched request or micro-batch finishes
-        self._out_batches = self._out_requests = 0  # pushed to decoders, not yet finished
-        self._out_priority: dict[str, int] = {}  # request id -> priority, of those
+        self._out_batches = 0  # micro-batches pushed to decoders, not yet finished
+        self._out_priority: dict[str, int] = {}  # request id -> priority, of the requests in them not yet settled
         self.counts = {"predictions": 0, "predictions_skipped": 0, "prediction_failures": 0, "refused": 0}
 
     # ---- requests in ----------------------------------------------------------------------------
@@ -221,7 +221,6 @@ class BatcherActor:
             if batch is None:
                 continue
             self._out_batches += 1
-            self._out_requests += len(batch["requests"])
             self._out_priority.update((r["id"], r["priority"]) for r in batch["requests"])
             task = asyncio.create_task(self._run_remote(batch))
             running.add(task)
@@ -233,7 +232,7 @@ class BatcherActor:
         some in flight as there are lower ones in flight for the decoders to preempt."""
         if self._out_batches >= self.dispatch.max_batches_in_flight:
             return 0
-        room = self.dispatch.max_requests_in_flight - self._out_requests
+        room = self.dispatch.max_requests_in_flight - len(self._out_priority)
         if room > 0 or not self.dispatch.preempt or not self._out_priority:
             return max(0, room)
         lowest = min(self._out_priority.values())
@@ -243,7 +242,7 @@ class BatcherActor:
     async def _run_remote(self, batch: dict) -> None:
         """Stream one micro-batch from a decoder. Each request is settled, and its sequence slot
         freed for the next request, the moment its own result arrives, not when its batch ends."""
-        holding, failed, failed_logprobs = len(batch["requests"]), None, None
+        failed, failed_logprobs = None, None
         try:
             async for message in self._send_batch(batch):
                 for item in message if isinstance(message, list) else [message]:  # a decoder may group items
@@ -255,8 +254,6 @@ class BatcherActor:
                     else:
                         result, refused = _refusal(batch, item["error"]["request_id"]), item["error"]["message"]
                     self._settle(self.core.report_one(batch["id"], result), result, refused)
-                    holding -= 1
-                    self._out_requests -= 1
                     self._out_priority.pop(result.request_id, None)
                     self._room.set()
         except Exception:  # the replica died or the call failed: what it finished is settled already;
@@ -266,8 +263,7 @@ class BatcherActor:
                                if r["id"] in self._progress_logprobs}
         finally:
             self._out_batches -= 1
-            self._out_requests -= holding
-            for request in batch["requests"]:
+            for request in batch["requests"]:  # those not settled: the replica failed or the stream ended early
                 self._out_priority.pop(request["id"], None)
             self._room.set()
         await self.report(batch["id"], [], partial=failed, partial_logprobs=failed_logprobs)

@@ -368,10 +368,7 @@ class LLMEngine(Engine):
         (a spare entry, with `cache_answers`), so it goes on from there when a slot frees, as if it had
         waited a while between two tokens."""
         if self.cache_answers:
-            key = tuple(sequence.tokens[: sequence.cached])
-            if self.prefix_cache.get(key) is None:
-                self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, len(key)), None,
-                                                  spare=True))
+            self._keep_sequence_kv(sequence, spare=True)
         self._free_slot(sequence)
         sequence.cached, sequence.preemptions = 0, sequence.preemptions + 1
         self._stats["preempted"] += 1
@@ -598,16 +595,19 @@ class LLMEngine(Engine):
                  and sequence.finish in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CUT))
         if not (asked or spare):
             return
+        if self._keep_sequence_kv(sequence, spare=not asked) and asked:
+            sequence.kept_kv = sequence.cached
+
+    def _keep_sequence_kv(self, sequence: _Sequence, spare: bool) -> bool:
+        """Put the KV of the sequence's computed tokens in the prefix cache (an entry already there
+        stops being spare when this one is not); False when it does not fit."""
         key = tuple(sequence.tokens[: sequence.cached])
         cached = self.prefix_cache.get(key)
-        if cached is None:
-            if not self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, len(key)), None,
-                                                     spare=not asked)):
-                return
-        elif asked:
-            cached.spare = False
-        if asked:
-            sequence.kept_kv = len(key)
+        if cached is not None:
+            cached.spare = cached.spare and spare
+            return True
+        return self.prefix_cache.put(PrefixEntry(key, self.runner.read_slot(sequence.slot, len(key)), None,
+                                                 spare=spare))
 
     def _store_result(self, sequence: _Sequence, reason: FinishReason) -> None:
         now = time.perf_counter()

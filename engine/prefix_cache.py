@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -142,8 +143,10 @@ class PrefixCache:
         self.hit_tokens += len(entry.token_ids) if tokens is None else tokens
 
 
-def common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """How many leading tokens `a` and `b` share (a binary search over slices, compared in C)."""
+def common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share: a binary search over slices, each compared in C."""
+    if type(a) is not type(b):  # a list slice never equals a tuple slice
+        a, b = tuple(a), tuple(b)
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2

@@ -15,6 +15,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, Field
 
+from engine.prefix_cache import common_length
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
 from graph.assemble import assemble_answer
 from graph.executor import DagExecution, NodeTiming
@@ -154,16 +155,6 @@ async def fixed_prefix_request(client: DecodeClient, messages: list[dict], param
     return GenerationRequest(prompt_ids=ids, params=params, shared_prefix_len=shared)
 
 
-def _common_length(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Orchestrator:
     """Runs the three modes. All decoding goes through `client`; nothing here blocks."""
 
@@ -211,7 +202,7 @@ class Orchestrator:
             mode="sot", text=assemble_answer(plan, answers), latency_s=0.0, plan=plan,
             completion_tokens=skeleton.completion_tokens + sum(r.completion_tokens for r in results),
             node_prompt_tokens=sum(map(len, prompts)),
-            node_prompt_shareable_tokens=sum(max((_common_length(p, q) for q in prompts[:i]), default=0)
+            node_prompt_shareable_tokens=sum(max((common_length(p, q) for q in prompts[:i]), default=0)
                                              for i, p in enumerate(prompts)),
         )
 
@@ -311,7 +302,7 @@ class _PlatoRun:
             shared, keep = 0, False
             if self.config.kv_reuse:
                 if lead_id is not None:  # the lead's prompt and answer, kept by the engine
-                    shared = _common_length(ids, self.conversations[lead_id].kept)
+                    shared = common_length(ids, self.conversations[lead_id].kept)
                 else:
                     shared = await self._plan_prefix_length(ids, plan_so_far)
                 # a node with children (or that may get some: the plan is still streaming) keeps its KV
@@ -321,7 +312,7 @@ class _PlatoRun:
             no_copy = [self.question, *(n.text for n in plan_so_far.nodes)]
             request = GenerationRequest(prompt_ids=ids, params=node_params(self.config, no_copy), preamble_len=preamble,
                                         shared_prefix_len=shared if shared < len(ids) else 0, keep_kv=keep)
-            self.shareable_tokens += max((_common_length(ids, seen) for seen in self.computed), default=preamble)
+            self.shareable_tokens += max((common_length(ids, seen) for seen in self.computed), default=preamble)
             self.computed.append(ids)
             result = await self.client.generate(request)
         except Exception as exc:  # one failed node must not sink the others
@@ -364,7 +355,7 @@ class _PlatoRun:
         if not self.execution.plan_is_complete:
             probe = await self.client.encode_chat(streaming_prefix_probe(self.question, plan_so_far),
                                                   add_generation_prompt=False)
-            prefix = prefix[: _common_length(prefix, probe)]
+            prefix = prefix[: common_length(prefix, probe)]
         return len(prefix) if len(prefix) < len(ids) and ids[: len(prefix)] == prefix else 0
 
     async def _drain(self) -> None:

@@ -126,3 +126,7 @@ def test_stored_scores_count_against_the_memory_bound():
     plain = PrefixEntry((1, 2, 3), kv, None)
     scored = PrefixEntry((1, 2, 3), kv, None, scores=[object()] * 2, scores_top=1)
     assert scored.nbytes > plain.nbytes
+
+
+def test_common_length_takes_lists_and_tuples_alike():
+    assert common_length([1, 2, 3], (1, 2, 4)) == 2 and common_length([1, 2], [1, 2, 3]) == 2
