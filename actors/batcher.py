@@ -14,6 +14,7 @@ Everything crossing the boundary is plain data.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -176,7 +177,9 @@ class BatcherActor:
         self._queued.set()
         self._room.set()  # a higher priority than some in flight may go at once (`_dispatch_room`)
         if self._send_batch is not None and self._loop_task is None:
-            self._loop_task = asyncio.create_task(self._push_loop())
+            # in a context of its own, not the one of the request that happens to start it: Serve reads
+            # a call's request ids from the context, and each micro-batch is a call of its own
+            self._loop_task = asyncio.create_task(self._push_loop(), context=contextvars.Context())
         return waiter
 
     async def _with_prediction(self, request: GenerationRequest) -> GenerationRequest:

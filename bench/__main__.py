@@ -13,6 +13,7 @@ SCENARIOS = {
     "plato": "bench.plato_bench",
     "judge": "bench.judge",
     "priority": "bench.priority_bench",
+    "routing": "bench.routing_bench",
     "schedule": "bench.schedule_bench",
     "schedule-sim": "bench.schedule_sim",
     "scoring": "bench.scoring_bench",

@@ -246,11 +246,12 @@ def app_args(predictor: bool) -> dict:
 
 
 @contextlib.contextmanager
-def serve_app(args: dict, start_timeout_s: float = 600.0):
+def serve_app(args: dict, start_timeout_s: float = 600.0, deployments: list[dict] | None = None):
     """cluster/local.yaml's application deployed here as `serve run` deploys a config (so its
     runtime_env reaches the application's replicas, and only them), with `args`, on a free local
-    port: yields its base URL. Its deployment overrides are left out, so the Decoder keeps
-    build_app's defaults (one replica, no autoscaling), as the in-process side is one engine."""
+    port: yields its base URL. Its deployment overrides are replaced by `deployments` (none by
+    default, so the Decoder keeps build_app's defaults: one replica, no autoscaling, as the
+    in-process side is one engine)."""
     import ray
     from ray import serve
     from ray.serve.context import _get_global_client
@@ -260,7 +261,7 @@ def serve_app(args: dict, start_timeout_s: float = 600.0):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    app = {**local_app(), "name": "plato", "route_prefix": "/", "args": args, "deployments": []}
+    app = {**local_app(), "name": "plato", "route_prefix": "/", "args": args, "deployments": deployments or []}
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}})
     try:

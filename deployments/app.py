@@ -15,6 +15,7 @@ import asyncio
 from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from actors.batcher import BatcherActor
@@ -27,6 +28,7 @@ from deployments.config import AppConfig, load_app_config
 from deployments.cpu_priority import RoutingPriority, lower_routing_priority
 from deployments.metrics import AnswerMetrics, BatcherMetrics, DecoderMetrics
 from deployments.openai_schema import OpenAIRequest, RequestError
+from deployments.prefix_router import PrefixAffinityRouter
 from deployments.routing import RoutedBackend
 
 # Serve's own request limit on an ingress replica sits this far above limits.max_queued_requests, so
@@ -35,10 +37,12 @@ from deployments.routing import RoutedBackend
 INGRESS_HEADROOM = 16
 
 
-@serve.deployment(max_ongoing_requests=32, ray_actor_options={"num_cpus": 1})
+@serve.deployment(max_ongoing_requests=32, ray_actor_options={"num_cpus": 1},
+                  request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter))
 class Decoder(DecoderReplica):
     """One engine loop per replica. Its ongoing requests are micro-batches, so Serve's autoscaler
-    adds replicas when batches queue up (target_ongoing_requests in the YAML)."""
+    adds replicas when batches queue up (target_ongoing_requests in the YAML). Micro-batches go to
+    the replica that was sent their prompts' longest start (deployments.prefix_router)."""
 
     def __init__(self, engine_config: dict, context_cache: DeploymentHandle | None):
         context = serve.get_replica_context()

@@ -24,6 +24,7 @@ from deployments.openai_schema import (
     CompletionRequest,
     DetokenizeRequest,
     OpenAIRequest,
+    PromptTokensDetails,
     RequestError,
     TextCompletion,
     TokenizeRequest,
@@ -52,7 +53,10 @@ def _usage(results: list[Result], n: int) -> Usage:
     once, every choice's answer."""
     prompt = sum(r.prompt_tokens for r in results[::n])
     completion = sum(r.completion_tokens for r in results)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    # a resumed attempt's hits may run into the answer it resumes: only the prompt's are the user's
+    cached = sum(min(r.prefix_hit_tokens, r.prompt_tokens) for r in results[::n])
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:

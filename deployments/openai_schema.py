@@ -434,10 +434,17 @@ class DetokenizeRequest(BaseModel):
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens whose KV came from the decoder's prefix cache (a "
+                               "conversation's earlier turns, a shared system message) instead of being computed.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = Field(
+        None, description="As OpenAI's; for plain answers (a planned answer's prompts are its nodes').")
 
 
 class AssistantMessage(BaseModel):

@@ -190,7 +190,15 @@ def test_streaming_sends_role_deltas_finish_and_usage_matching_the_plain_answer(
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == plain["choices"][0]["message"]["content"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and _uncached(usage) == _uncached(plain["usage"])
+    # the plain answer came first: every prompt token but the last (whose logits start the answer) is cached
+    assert plain["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert usage["prompt_tokens_details"] == {"cached_tokens": usage["prompt_tokens"] - 1}
+
+
+def _uncached(usage: dict) -> dict:
+    return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
 
 
 def test_n_choices_each_replay_as_a_request_with_seed_plus_index_and_usage_counts_the_prompt_once(client):
@@ -200,8 +208,8 @@ def test_n_choices_each_replay_as_a_request_with_seed_plus_index_and_usage_count
     singles = [_chat(client, temperature=1.0, seed=7 + i, max_tokens=6).json() for i in range(3)]
     assert texts == [s["choices"][0]["message"]["content"] for s in singles]
     assert len(set(texts)) > 1  # sampled with different seeds: not three copies of one answer
-    assert body["usage"] == {"prompt_tokens": singles[0]["usage"]["prompt_tokens"], "completion_tokens": 18,
-                             "total_tokens": singles[0]["usage"]["prompt_tokens"] + 18}
+    assert _uncached(body["usage"]) == {"prompt_tokens": singles[0]["usage"]["prompt_tokens"],
+                                        "completion_tokens": 18, "total_tokens": singles[0]["usage"]["prompt_tokens"] + 18}
     greedy = _chat(client, n=2, max_tokens=6).json()["choices"]
     assert greedy[0]["message"] == greedy[1]["message"] == _chat(client, max_tokens=6).json()["choices"][0]["message"]
 
@@ -217,7 +225,7 @@ def test_streamed_n_choices_carry_their_index_and_read_as_the_unstreamed_answers
         assert "".join(c["delta"].get("content", "") for c in mine) == choice["message"]["content"]
         assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [choice["finish_reason"]]
         assert mine[-1]["finish_reason"] is not None
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+    assert chunks[-1]["choices"] == [] and _uncached(chunks[-1]["usage"]) == _uncached(plain["usage"])
 
 
 def test_logprobs_come_per_token_with_their_alternatives_streamed_or_not(client):

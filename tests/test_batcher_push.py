@@ -4,6 +4,7 @@ lost or repeated; predictions are asked for and their failures tolerated."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 
 import pytest
 
@@ -92,6 +93,32 @@ def test_a_request_the_decoder_refuses_fails_with_its_reason_and_others_are_answ
 
     ok, stats = run(main())
     assert ok["token_ids"] == list(range(2)) and stats["refused"] == 1
+
+
+SERVING = contextvars.ContextVar("serving", default=None)  # as Serve keeps the request being served
+
+
+def test_micro_batches_are_sent_outside_the_context_of_the_request_that_started_dispatch():
+    """Serve names a handle call after the request in the caller's context: micro-batches that
+    carried the first request's would all share its id, which Serve's router matches calls by."""
+    seen = []
+
+    async def send_batch(batch: dict):
+        seen.append(SERVING.get())
+        async for item in FakeDecoder()(batch):
+            yield item
+
+    async def submit(actor: BatcherActor, rid: str) -> dict:
+        SERVING.set(rid)
+        return await actor.submit(request(rid))
+
+    async def main():
+        actor = BatcherActor({"bins": {"edges": [64]}}, send_batch=send_batch)
+        return await submit(actor, "r0"), await submit(actor, "r1")
+
+    first, second = run(main())
+    assert first["token_ids"] == [0, 1] and second["token_ids"] == list(range(7))
+    assert seen == [None, None]
 
 
 def test_predictions_are_asked_for_and_a_failing_predictor_means_the_default_bin():

@@ -51,6 +51,20 @@ def _check_serve(config: dict) -> None:
         for deployment in app.deployments:
             if isinstance(deployment.autoscaling_config, dict):
                 AutoscalingConfig.model_validate(deployment.autoscaling_config)
+            if isinstance(deployment.request_router_config, dict):
+                _check_router(deployment.request_router_config)
+
+
+def _check_router(config: dict) -> None:
+    """The router class imports (Serve pickles it when it deploys) and takes its kwargs."""
+    import inspect
+
+    from ray.serve.config import RequestRouterConfig
+    from ray.serve.request_router import RequestRouter
+
+    router = RequestRouterConfig(**config).get_request_router_class()
+    assert issubclass(router, RequestRouter)
+    inspect.signature(router.initialize_state).bind(None, **config.get("request_router_kwargs", {}))
 
 
 def _check_launcher(document: dict) -> None:
@@ -82,6 +96,12 @@ def test_the_expected_configs_are_there():
         "ray-cluster.yaml": "launcher",
         "kuberay-rayservice.yaml": "rayservice",
     }
+
+
+def test_a_router_kwarg_it_does_not_take_is_refused():
+    with pytest.raises(TypeError, match="imbalance"):
+        _check_router({"request_router_class": "deployments.prefix_router:PrefixAffinityRouter",
+                       "request_router_kwargs": {"imbalance": 8}})
 
 
 def test_gpu_config_runs_one_autoscaled_decoder_per_gpu_sized_to_its_batch():

@@ -20,7 +20,8 @@ def test_completion_has_openai_shape_and_uses_no_chat_template(client):
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == SERVED
     [choice] = body["choices"]
     assert choice["text"] and choice["finish_reason"] == "length" and choice["index"] == 0
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}  # the 3 words alone
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,  # the 3 words alone
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_a_list_of_one_prompt_is_the_same_as_the_string(client):
@@ -34,7 +35,9 @@ def test_streaming_sends_text_pieces_finish_and_usage_matching_the_plain_answer(
     assert all(c["object"] == "text_completion" for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == plain["choices"][0]["text"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+    usage = chunks[-1]["usage"]  # the same prompt again: all of it cached but its last token
+    assert chunks[-1]["choices"] == [] and usage == {**plain["usage"], "prompt_tokens_details": {
+        "cached_tokens": plain["usage"]["prompt_tokens"] - 1}}
 
 
 def test_n_completions_are_indexed_choices_streamed_or_not(client):
@@ -102,7 +105,9 @@ def test_several_prompts_are_answered_as_choices_in_prompt_order(client):
     assert [c["text"] for c in body["choices"]] == [alone[0]["choices"][0]["text"]] * 2 + [
         alone[1]["choices"][0]["text"]] * 2
     prompt_tokens = sum(a["usage"]["prompt_tokens"] for a in alone)  # each prompt once, not once per choice
-    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 16, "total_tokens": prompt_tokens + 16}
+    # each prompt was answered alone first: its KV is cached but for the last token, whose logits start the answer
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 16, "total_tokens": prompt_tokens + 16,
+                             "prompt_tokens_details": {"cached_tokens": prompt_tokens - 2}}
     chunks = events(_complete(client, prompt=[WORDS, "bobo"], n=2, max_tokens=4, stream=True,
                               stream_options={"include_usage": True}))
     for choice in body["choices"]:
@@ -163,7 +168,8 @@ def test_max_tokens_0_with_echo_scores_the_prompt_and_generates_nothing(client, 
     with_answer = _complete(client, prompt=WORDS, max_tokens=2, echo=True, logprobs=0).json()
     [choice] = scored["choices"]
     assert choice["text"] == WORDS and choice["finish_reason"] == "length"
-    assert scored["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert scored["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                               "prompt_tokens_details": {"cached_tokens": 0}}
     assert choice["logprobs"] == {k: v[:len(ids)] for k, v in with_answer["choices"][0]["logprobs"].items()}
     chunks = events(_complete(client, prompt=WORDS, max_tokens=0, echo=True, logprobs=0, stream=True))
     assert "".join(c["choices"][0]["text"] for c in chunks) == WORDS

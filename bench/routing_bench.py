@@ -1,0 +1,144 @@
+"""`python -m bench routing`: conversations through the Serve application (cluster/local.yaml's, on
+the CPU, without the length predictor) with two Decoder replicas, each micro-batch sent by the
+Decoder's prefix-affinity router (deployments.prefix_router) against Serve's power of two choices.
+A conversation's next turn finds its earlier turns' KV only on the replica that answered them.
+
+`--conversations` conversations talk at once, each `--turns` user messages (the short ShareGPT
+prompts of bench turns), every answer greedy and streamed with its usage. Each side deploys the
+application afresh (empty caches) and first holds one untimed conversation; the sides take turns
+`--repeats` times. Per side, over the turns after the first: the share of prompt tokens served from a
+replica's cache (`usage.prompt_tokens_details.cached_tokens`), the share of them that found at least
+the turn before's whole prompt cached (the rest landed on a replica without it), mean time to first
+token, and how many
+conversations got the same answers under both. `ttft_gain` = the later turns' mean time to first
+token under power of two choices over under prefix affinity. Writes bench/results/routing.json."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import numpy as np
+
+from bench.common import machine, table, write_result
+from bench.turns_bench import conversations
+
+SIDES = ("affinity", "balanced")
+POWER_OF_TWO = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"  # Serve's default
+REPLICAS = 2
+
+
+def decoder_overrides(side: str) -> list[dict]:
+    """The Decoder deployment's overrides: two replicas, a CPU core each; Serve's own router on `balanced`."""
+    decoder = {"name": "Decoder", "num_replicas": REPLICAS, "max_ongoing_requests": 32,
+               "ray_actor_options": {"num_cpus": 1}}
+    if side == "balanced":
+        decoder["request_router_config"] = {"request_router_class": POWER_OF_TWO}
+    return [decoder]
+
+
+async def _turn(session, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed answer: its text, time to first text, and usage."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    sent, first, text, usage = time.perf_counter(), None, [], None
+    async with session.post("/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data:"):])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            piece = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+            if piece:
+                first = first or time.perf_counter()
+                text.append(piece)
+            usage = chunk.get("usage") or usage
+    if usage is None:
+        raise RuntimeError("the stream ended without a usage chunk")
+    return {"text": "".join(text), "ttft_s": round((first or time.perf_counter()) - sent, 4),
+            "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
+
+
+async def _conversation(session, talk: list[str], max_tokens: int) -> list[dict]:
+    messages, turns = [], []
+    for user in talk:
+        messages.append({"role": "user", "content": user})
+        turns.append(await _turn(session, messages, max_tokens))
+        messages.append({"role": "assistant", "content": turns[-1]["text"]})
+    return turns
+
+
+def _side(side: str, warmup: list[str], talks: list[list[str]], max_tokens: int) -> list[list[dict]]:
+    from bench.serve_bench import app_args, http_session, serve_app
+
+    args = app_args(predictor=False)
+    args["engine"]["num_threads"] = 1  # a core for each of the two replicas
+    args["dispatch"]["max_requests_in_flight"] = args["dispatch"]["max_batches_in_flight"] = 32 * REPLICAS
+
+    async def talk_all(base_url: str) -> list[list[dict]]:
+        async with http_session(base_url) as session:
+            await _conversation(session, warmup, max_tokens)
+            return list(await asyncio.gather(*(_conversation(session, t, max_tokens) for t in talks)))
+
+    with serve_app(args, deployments=decoder_overrides(side)) as base_url:
+        return asyncio.run(talk_all(base_url))
+
+
+def summarize(runs: dict[str, list[list[list[dict]]]]) -> dict:
+    """Per side, over every repeat's conversations: the later turns' cached share and mean time to
+    first token, and time to first token per turn."""
+    out = {}
+    for side, repeats in runs.items():
+        talks = [talk for repeat in repeats for talk in repeat]
+        later = [turn for talk in talks for turn in talk[1:]]
+        found = [turn["cached_tokens"] >= before["prompt_tokens"] for talk in talks
+                 for before, turn in zip(talk, talk[1:])]
+        out[side] = {
+            "later_turns_found_earlier": round(sum(found) / len(found), 3),
+            "later_turns_cached_share": round(sum(t["cached_tokens"] for t in later)
+                                              / sum(t["prompt_tokens"] for t in later), 3),
+            "later_turns_ttft_s": round(float(np.mean([t["ttft_s"] for t in later])), 3),
+            "ttft_s_per_turn": [round(float(np.mean(col)), 3) for col in zip(*[[t["ttft_s"] for t in talk]
+                                                                            for talk in talks])],
+        }
+    return out
+
+
+def run(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench routing", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="4 conversations of 3 turns, 24 tokens, once")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1, help="each side this many times, in turns")
+    args = parser.parse_args(argv)
+    count, turns, max_tokens, repeats = ((4, 3, 24, 1) if args.quick else
+                                         (args.conversations, args.turns, args.max_tokens, args.repeats))
+
+    talks = conversations(count + 1, turns)
+    runs: dict[str, list] = {side: [] for side in SIDES}
+    for i in range(repeats):
+        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+            runs[side].append(_side(side, talks[0][:2], talks[1:], max_tokens))
+    sides = summarize(runs)
+    same = sum(a == b for a, b in zip(*([[t["text"] for t in talk] for r in runs[side] for talk in r]
+                                        for side in SIDES)))
+    payload = {
+        "conversations": count, "turns": turns, "max_tokens": max_tokens, "repeats": repeats, "replicas": REPLICAS,
+        "sides": sides,
+        "ttft_gain": round(sides["balanced"]["later_turns_ttft_s"] / sides["affinity"]["later_turns_ttft_s"], 2),
+        "same_answers": same, "runs": runs, "machine": machine(),
+    }
+    print(table(["side", "found the turn before", "later turns cached", "later turns TTFT s", *(f"turn {t + 1} TTFT s" for t in range(turns))],
+                [[side, sides[side]["later_turns_found_earlier"], sides[side]["later_turns_cached_share"], sides[side]["later_turns_ttft_s"],
+                  *sides[side]["ttft_s_per_turn"]] for side in SIDES]))
+    print(f"ttft_gain {payload['ttft_gain']} (later turns, power of two choices over prefix affinity); "
+          f"same answers in {same} of {count * repeats} conversations")
+    print(f"wrote {write_result('routing', payload)}")
+    return payload

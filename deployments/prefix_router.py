@@ -1,0 +1,115 @@
+"""Prefix-affinity routing for the Decoder deployment: a Ray Serve request router
+(`request_router_config`) that sends a micro-batch to the decoder replica that was sent the longest
+start of its prompts, where that replica's KV is most likely still cached (a conversation's next
+turn, whose prompt goes on from the last one; a plan's sibling nodes), unless that replica is
+busier than the least busy by more than `imbalanced_threshold`. Otherwise, and for prompts that
+share too little, Serve's power of two choices.
+
+Its state lives in the process that holds the handle, so the index sees every micro-batch only
+because the one Batcher replica sends them all. The queue lengths are the ones Serve's router
+already caches from its probes and replies (none are probed for this)."""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from deployments.prefix_index import PrefixIndex
+
+
+def batch_prompts(pending_request: PendingRequest | None) -> list[list[int]]:
+    """The prompts of the micro-batch a request carries (`Decoder.run_batch(batch)`), else none."""
+    if pending_request is None or not pending_request.args:
+        return []
+    batch = pending_request.args[0]
+    if not isinstance(batch, dict) or not isinstance(batch.get("requests"), list):
+        return []
+    return [r["prompt_ids"] for r in batch["requests"] if isinstance(r, dict) and isinstance(r.get("prompt_ids"), list)]
+
+
+def most_shared(index: PrefixIndex, prompts: list[list[int]], candidates: list[Any]) -> tuple[list[Any], int, bool]:
+    """The candidates sent the most of the prompts' starts, the tokens they share in all (a
+    micro-batch may hold several prompts, whose shared starts add up), and whether some prompt goes
+    on from an entire earlier prompt sent there (a conversation's next turn)."""
+    shared: dict[Any, int] = {}
+    continued: set[Any] = set()
+    for prompt in prompts:
+        match = index.match(prompt, candidates)
+        for replica in match.replicas:
+            shared[replica] = shared.get(replica, 0) + match.tokens
+            if match.whole:
+                continued.add(replica)
+    if not shared:
+        return [], 0, False
+    top = max(shared.values())
+    best = [r for r, tokens in shared.items() if tokens == top]
+    return best, top, any(r in continued for r in best)
+
+
+class PrefixAffinityRouter(FIFOMixin, RequestRouter):
+    """The Decoder's router; see the module. Its keyword arguments (`request_router_kwargs`):
+    - block_tokens: prompts are matched in whole blocks of this many tokens (16);
+    - max_blocks: the index forgets its least recently sent blocks past this many (65,536);
+    - min_shared_tokens: a replica is preferred when a prompt goes on from an entire earlier one sent
+      there, or else when it shares at least this many tokens (32)
+    - min_shared_share: ... and at least this share of the batch's prompt tokens (0.5), so that a
+      system message every prompt starts with does not pull all traffic to one replica;
+    - imbalanced_threshold: ... and has at most this many more ongoing micro-batches than the least
+      busy replica (4)."""
+
+    def initialize_state(self, block_tokens: int = 16, max_blocks: int = 65_536, min_shared_tokens: int = 32,
+                         min_shared_share: float = 0.5, imbalanced_threshold: int = 4) -> None:
+        self.index = PrefixIndex(block_tokens, max_blocks)
+        self.min_shared_tokens, self.min_shared_share = min_shared_tokens, min_shared_share
+        self.imbalanced_threshold = imbalanced_threshold
+        self.routed = {"preferred": 0, "balanced": 0}  # what choose_replicas did, for tests and logs
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        if pending_request is not None:  # every candidate is offered at once: back off before asking again
+            pending_request.routing_context.should_backoff = True
+        two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        prompts = batch_prompts(pending_request)
+        preferred, tokens, continued = most_shared(self.index, prompts, list(by_id))
+        preferred = [by_id[i] for i in preferred if not self._too_busy(i, by_id)]
+        enough = continued or tokens >= max(self.min_shared_tokens, self.min_shared_share * sum(map(len, prompts)))
+        if not enough or not preferred:
+            self.routed["balanced"] += 1
+            return [two]
+        self.routed["preferred"] += 1
+        rest = [r for r in two if r not in preferred] or [r for r in candidate_replicas if r not in preferred]
+        return [preferred, rest] if rest else [preferred]
+
+    def _get_pending_request_matching_metadata(self, request_metadata=None) -> PendingRequest | None:
+        """The pending request a replica was chosen for (FIFOMixin's hook; it falls back to the
+        oldest). Serve's base router matches by internal request id alone, but calls made while
+        serving one request share that id, so with two of them routing at once it gives the replica
+        to the first twice and never to the second, which then waits forever."""
+        for pending in self._pending_requests_to_fulfill:
+            if pending.metadata is request_metadata and not pending.future.done():
+                return pending
+        return None
+
+    def _too_busy(self, replica_id: ReplicaID, by_id: dict[ReplicaID, RunningReplica]) -> bool:
+        cache = self.replica_queue_len_cache
+        known = [q for q in (cache.get(i) for i in by_id) if q is not None]
+        mine = cache.get(replica_id)
+        return mine is not None and bool(known) and mine - min(known) > self.imbalanced_threshold
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        for prompt in batch_prompts(pending_request):
+            self.index.record(prompt, replica_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.index.forget(replica_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        gone = set(self.curr_replicas) - {r.replica_id for r in replicas}
+        super().update_replicas(replicas)
+        for replica_id in gone:
+            self.index.forget(replica_id)

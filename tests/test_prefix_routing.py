@@ -1,0 +1,189 @@
+"""Prefix-affinity routing of micro-batches to decoder replicas: the index (deployments.prefix_index)
+and Serve's router over it (deployments.prefix_router), with stand-in replicas, no cluster."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
+
+from deployments.prefix_index import PrefixIndex, block_names
+from deployments.prefix_router import PrefixAffinityRouter, batch_prompts
+
+SYSTEM = list(range(100, 164))  # 64 tokens every prompt below starts with
+
+
+def test_block_names_chain_so_equal_blocks_after_different_starts_differ():
+    assert len(block_names(list(range(40)), 16)) == 2  # the last 8 tokens make no whole block
+    a, b = block_names([1] * 16 + [2] * 16, 16), block_names([3] * 16 + [2] * 16, 16)
+    assert a[0] != b[0] and a[1] != b[1]
+    assert block_names([1] * 16 + [2] * 16 + [9] * 5, 16) == a
+
+
+def test_match_finds_the_replicas_sent_the_longest_shared_start_most_recent_first():
+    index = PrefixIndex(block_tokens=16)
+    index.record(SYSTEM + [1] * 32, "a")
+    index.record(SYSTEM + [2] * 32, "b")
+    assert index.match(SYSTEM + [1] * 40, ["a", "b"]) == (["a"], 96, True)  # goes on from a's whole prompt
+    assert index.match(SYSTEM + [3] * 40, ["a", "b"]) == (["b", "a"], 64, False)  # both hold the system; b later
+    assert index.match(SYSTEM + [1] * 40, ["b"]) == (["b"], 64, False)  # only candidates count
+    assert index.match([7] * 64, ["a", "b"]) == ([], 0, False)
+    assert index.match(SYSTEM[:15], ["a", "b"]) == ([], 0, False)  # no whole block
+
+
+def test_a_prompt_that_goes_on_from_a_whole_earlier_one_is_known_to_the_token():
+    index = PrefixIndex(block_tokens=16)
+    index.record(SYSTEM + [1] * 5, "a")  # 69 tokens: four whole blocks and a tail of 5
+    index.record(SYSTEM + [2] * 5, "b")
+    assert index.match(SYSTEM + [1] * 5 + [9] * 40, ["a", "b"]) == (["a"], 69, True)
+    assert index.match(SYSTEM + [1] * 5, ["a", "b"]) == (["a"], 69, True)  # the same prompt again
+    assert index.match(SYSTEM + [1] * 4, ["a", "b"]) == (["b", "a"], 64, False)  # a tail cut short is not whole
+    assert index.match(SYSTEM + [2] * 5 + [1] * 20, ["a"]) == (["a"], 64, False)
+    index.record(SYSTEM + [1] * 5 + [9] * 11, "b")  # 80 tokens: ends on a block's edge
+    assert index.match(SYSTEM + [1] * 5 + [9] * 30, ["a", "b"]) == (["b"], 80, True)
+
+
+def test_the_index_forgets_its_least_recently_sent_names_and_dead_replicas():
+    index = PrefixIndex(block_tokens=4, max_blocks=6)  # names: each whole block, and each whole prompt
+    index.record([1, 1, 1, 1, 2, 2, 2, 2], "a")  # 3 names
+    index.record([3, 3, 3, 3, 4, 4, 4, 4], "b")  # 6
+    index.record([1, 1, 1, 1], "a")  # its block is sent again, its whole prompt is new: a's second block goes
+    index.record([5, 5, 5, 5], "c")  # two new names: a's first whole prompt and b's first block go
+    assert len(index) == 6
+    assert index.match([1, 1, 1, 1, 2, 2, 2, 2], ["a", "b", "c"]) == (["a"], 4, True)  # goes on from [1, 1, 1, 1]
+    assert index.match([3, 3, 3, 3, 4, 4, 4, 4], ["a", "b", "c"]) == ([], 0, False)  # the chain starts dropped
+    index.forget("a")
+    assert len(index) == 4
+    assert index.match([1, 1, 1, 1], ["a", "b", "c"]) == ([], 0, False)
+    assert index.match([5, 5, 5, 5], ["a", "b", "c"]) == (["c"], 4, True)
+
+
+def test_bad_sizes_are_refused_naming_them():
+    with pytest.raises(ValueError, match="block_tokens"):
+        PrefixIndex(block_tokens=0)
+    with pytest.raises(ValueError, match="max_blocks"):
+        PrefixIndex(max_blocks=0)
+
+
+@dataclass
+class Replica:
+    """What the router reads of a running replica."""
+
+    replica_id: ReplicaID
+    max_ongoing_requests: int = 32
+
+
+def _replicas(*names: str) -> list[Replica]:
+    deployment = DeploymentID(name="Decoder", app_name="plato")
+    return [Replica(ReplicaID(unique_id=n, deployment_id=deployment)) for n in names]
+
+
+def _pending(*prompts: list[int]) -> PendingRequest:
+    batch = {"id": "b", "requests": [{"id": str(i), "prompt_ids": p} for i, p in enumerate(prompts)]}
+    return _request([batch])
+
+
+def _request(args: list) -> PendingRequest:  # no future: the router never touches it, and it would need a loop
+    return PendingRequest(args=args, kwargs={}, metadata=RequestMetadata(request_id="r", internal_request_id="r"),
+                          future=None)
+
+
+def _router(**kwargs) -> PrefixAffinityRouter:
+    router = PrefixAffinityRouter(deployment_id=DeploymentID(name="Decoder", app_name="plato"),
+                                  handle_source=DeploymentHandleSource.REPLICA, use_replica_queue_len_cache=True)
+    router.initialize_state(**kwargs)
+    return router
+
+
+def _choose(router, replicas, request):
+    return asyncio.run(router.choose_replicas(replicas, request))
+
+
+def test_a_batch_goes_first_to_the_replica_sent_its_start_then_to_two_random_ones():
+    router, replicas = _router(), _replicas("a", "b", "c")
+    turn = SYSTEM + [1] * 20
+    first = _choose(router, replicas, _pending(turn))
+    assert len(first) == 1 and len(first[0]) == 2  # nothing shared yet: power of two choices
+    router.on_request_routed(_pending(turn), replicas[2].replica_id, None)
+    next_turn = turn + [2] * 30
+    for _ in range(5):
+        ranks = _choose(router, replicas, _pending(next_turn))
+        assert ranks[0] == [replicas[2]] and replicas[2] not in ranks[1] and ranks[1]
+    assert router.routed == {"preferred": 5, "balanced": 1}
+
+
+def test_a_batch_of_several_prompts_goes_where_most_of_them_were_sent():
+    router, (a, b) = _router(), _replicas("a", "b")
+    router.on_request_routed(_pending(SYSTEM + [1] * 16), a.replica_id, None)
+    router.on_request_routed(_pending([5] * 32 + [1] * 16, [6] * 32), b.replica_id, None)
+    assert _choose(router, [a, b], _pending([5] * 48, [6] * 48))[0] == [b]  # 32 + 32 tokens against none
+    assert _choose(router, [a, b], _pending(SYSTEM + [1] * 16, [6] * 48))[0] == [a]  # 80 against 32
+
+
+def test_a_conversations_next_turn_follows_its_last_however_little_it_shares():
+    router, (a, b) = _router(), _replicas("a", "b")
+    router.on_request_routed(_pending(SYSTEM[:24] + [1] * 7), a.replica_id, None)  # a short first turn: 31 tokens
+    router.on_request_routed(_pending(SYSTEM[:24] + [2] * 7), b.replica_id, None)
+    assert _choose(router, [a, b], _pending(SYSTEM[:24] + [1] * 7 + [3] * 80))[0] == [a]  # 31 of 111 shared
+    assert len(_choose(router, [a, b], _pending(SYSTEM[:24] + [4] * 80))) == 1  # the system part alone: balanced
+
+
+def test_too_little_shared_or_a_busy_holder_falls_back_to_balancing():
+    router, (a, b) = _router(min_shared_tokens=64, imbalanced_threshold=2), _replicas("a", "b")
+    router.on_request_routed(_pending(SYSTEM + [1] * 32), a.replica_id, None)
+    assert len(_choose(router, [a, b], _pending(SYSTEM[:48]))) == 1  # 48 shared tokens < 64
+    assert len(_choose(router, [a, b], _pending(SYSTEM + [2] * 80))) == 1  # 64 shared of 144: under half
+    assert _choose(router, [a, b], _pending(SYSTEM + [2] * 60))[0] == [a]  # 64 of 124
+    assert _choose(router, [a, b], _pending(SYSTEM + [1] * 32))[0] == [a]
+    router.replica_queue_len_cache.update(a.replica_id, 5)
+    router.replica_queue_len_cache.update(b.replica_id, 2)
+    assert len(_choose(router, [a, b], _pending(SYSTEM + [1] * 32))) == 1  # 5 - 2 > 2: balance instead
+    router.replica_queue_len_cache.update(b.replica_id, 3)
+    assert _choose(router, [a, b], _pending(SYSTEM + [1] * 32))[0] == [a]
+
+
+def test_a_dead_replica_is_forgotten():
+    router, (a, b) = _router(), _replicas("a", "b")
+    router.on_request_routed(_pending(SYSTEM), a.replica_id, None)
+    router.on_replica_actor_died(a.replica_id)
+    assert len(router.index) == 0
+    assert _choose(router, [b], _pending(SYSTEM)) == [[b]]
+
+
+def test_requests_that_are_not_micro_batches_are_balanced():
+    assert batch_prompts(None) == []
+    assert batch_prompts(_request([])) == []
+    assert batch_prompts(_request(["text"])) == []
+    assert batch_prompts(_request([{"requests": [{"id": "x"}]}])) == []
+    router, replicas = _router(), _replicas("a", "b")
+    assert len(_choose(router, replicas, _request([]))[0]) == 2
+
+
+@dataclass
+class ProbedReplica(Replica):
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
+
+
+def test_micro_batches_routed_at_once_under_one_request_id_each_reach_their_replica():
+    """The batcher's calls share the request id of the request it was serving when it started;
+    routed at once, each must still be fulfilled (Serve's base router left the second waiting forever)."""
+    async def route_two() -> list:
+        router = _router()
+        deployment = DeploymentID(name="Decoder", app_name="plato")
+        a, b = (ProbedReplica(ReplicaID(unique_id=n, deployment_id=deployment)) for n in "ab")
+        router.update_replicas([a, b])
+        router.on_request_routed(_pending(SYSTEM + [1] * 32), a.replica_id, None)
+        router.on_request_routed(_pending(SYSTEM + [2] * 32), b.replica_id, None)
+        await asyncio.sleep(0.1)  # the probes of the new replicas fill the queue-length cache
+
+        def pending(prompt: list[int]) -> PendingRequest:
+            return PendingRequest(args=_pending(prompt).args, kwargs={},
+                                  metadata=RequestMetadata(request_id="r", internal_request_id="shared"))
+        to_b, to_a = pending(SYSTEM + [2] * 32 + [3] * 8), pending(SYSTEM + [1] * 32 + [3] * 8)
+        chosen = asyncio.gather(router._choose_replica_for_request(to_b), router._choose_replica_for_request(to_a))
+        return [r.replica_id.unique_id for r in await asyncio.wait_for(chosen, 5)]
+
+    assert asyncio.run(route_two()) == ["b", "a"]
