@@ -9,8 +9,7 @@ application afresh (empty caches) and first holds one untimed conversation; the 
 `--repeats` times. Per side, over the turns after the first: the share of prompt tokens served from a
 replica's cache (`usage.prompt_tokens_details.cached_tokens`), the share of them that found at least
 the turn before's whole prompt cached (the rest landed on a replica without it), mean time to first
-token, and how many
-conversations got the same answers under both. `ttft_gain` = the later turns' mean time to first
+token, and how many conversations got the same answers under both. `ttft_gain` = the later turns' mean time to first
 token under power of two choices over under prefix affinity. Writes bench/results/routing.json."""
 from __future__ import annotations
 
