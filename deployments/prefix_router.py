@@ -52,7 +52,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     - block_tokens: prompts are matched in whole blocks of this many tokens (16);
     - max_blocks: the index forgets its least recently sent blocks past this many (65,536);
     - min_shared_tokens: a replica is preferred when a prompt goes on from an entire earlier one sent
-      there, or else when it shares at least this many tokens (32)
+      there, or else when it shares at least this many tokens (32);
     - min_shared_share: ... and at least this share of the batch's prompt tokens (0.5), so that a
       system message every prompt starts with does not pull all traffic to one replica;
     - imbalanced_threshold: ... and has at most this many more ongoing micro-batches than the least
@@ -87,8 +87,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def _get_pending_request_matching_metadata(self, request_metadata=None) -> PendingRequest | None:
         """The pending request a replica was chosen for (FIFOMixin's hook; it falls back to the
         oldest). Serve's base router matches by internal request id alone, but calls made while
-        serving one request share that id, so with two of them routing at once it gives the replica
-        to the first twice and never to the second, which then waits forever."""
+        serving one request share that id: with two of them routing at once, it fulfils the first and
+        then finds no call for the replica chosen for the second, which waits forever."""
         for pending in self._pending_requests_to_fulfill:
             if pending.metadata is request_metadata and not pending.future.done():
                 return pending
