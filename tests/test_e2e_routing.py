@@ -35,8 +35,8 @@ def client():
             "batcher": {"token_budget": 1}}  # a micro-batch per request: each turn routed on its own
     original = app.Decoder
     # affinity alone: the router balances instead when the holder has more than the threshold (4)
-    # ongoing beyond the other, and Serve's cached counts, which it reads, run ahead of the real ones
-    # (7 against 0 with six conversations); the balancing has its unit test
+    # ongoing beyond the other, and the six first turns, routed at once on the same counts, can pile
+    # onto one replica (5 of 6 seen); the balancing has its unit test
     app.Decoder = original.options(num_replicas=2, request_router_config={
         "request_router_class": "deployments.prefix_router:PrefixAffinityRouter",
         "request_router_kwargs": {"imbalanced_threshold": 64}})
