@@ -7,15 +7,21 @@ share too little, Serve's power of two choices.
 
 Its state lives in the process that holds the handle, so the index sees every micro-batch only
 because the one Batcher replica sends them all. The queue lengths are the ones Serve's router
-already caches from its probes and replies (none are probed for this)."""
+already caches from its probes and replies (none are probed for this), plus the replicas this router
+chose in the last second for calls not sent yet: Serve counts a call only once it is sent, after
+every call routed in the same instant has been chosen, so micro-batches pushed together would all
+see the same counts and pile onto one replica."""
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments.prefix_index import PrefixIndex
+
+UNSENT_TTL_S = 1.0  # a choice not followed by a send within this long was dropped (Serve backed off)
 
 
 def batch_prompts(pending_request: PendingRequest | None) -> list[list[int]]:
@@ -64,6 +70,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.min_shared_tokens, self.min_shared_share = min_shared_tokens, min_shared_share
         self.imbalanced_threshold = imbalanced_threshold
         self.routed = {"preferred": 0, "balanced": 0}  # what choose_replicas did, for tests and logs
+        self.unsent: dict[ReplicaID, list[float]] = {}  # when each replica was chosen for a call not sent yet
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -71,6 +78,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
             return []
         if pending_request is not None:  # every candidate is offered at once: back off before asking again
             pending_request.routing_context.should_backoff = True
+        self._forget_unsent_before(time.monotonic() - UNSENT_TTL_S)
         two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
         by_id = {r.replica_id: r for r in candidate_replicas}
         prompts = batch_prompts(pending_request)
@@ -79,10 +87,33 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         enough = continued or tokens >= max(self.min_shared_tokens, self.min_shared_share * sum(map(len, prompts)))
         if not enough or not preferred:
             self.routed["balanced"] += 1
-            return [two]
+            first = min(two, key=lambda r: self._ongoing(r.replica_id))  # power of two choices
+            return self._chose([[first], [r for r in two if r is not first]])
         self.routed["preferred"] += 1
+        preferred.sort(key=lambda r: self._ongoing(r.replica_id))
         rest = [r for r in two if r not in preferred] or [r for r in candidate_replicas if r not in preferred]
-        return [preferred, rest] if rest else [preferred]
+        return self._chose([preferred[:1], preferred[1:], rest])
+
+    def _chose(self, ranks: list[list[RunningReplica]]) -> list[list[RunningReplica]]:
+        """The ranks without empty ones; the first rank's one replica is counted as chosen, not sent."""
+        self.unsent.setdefault(ranks[0][0].replica_id, []).append(time.monotonic())
+        return [rank for rank in ranks if rank]
+
+    def _ongoing(self, replica_id: ReplicaID) -> int:
+        """Calls ongoing on the replica as Serve's router caches them, and those chosen for it not sent yet."""
+        return (self.replica_queue_len_cache.get(replica_id) or 0) + len(self.unsent.get(replica_id, ()))
+
+    def _forget_unsent_before(self, cutoff: float) -> None:
+        for replica_id, times in list(self.unsent.items()):
+            times[:] = [t for t in times if t >= cutoff]
+            if not times:
+                del self.unsent[replica_id]
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)  # Serve's cached count now holds the call
+        times = self.unsent.get(replica_id)
+        if times:
+            times.pop(0)
 
     def _get_pending_request_matching_metadata(self, request_metadata=None) -> PendingRequest | None:
         """The pending request a replica was chosen for (FIFOMixin's hook; it falls back to the
@@ -95,10 +126,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         return None
 
     def _too_busy(self, replica_id: ReplicaID, by_id: dict[ReplicaID, RunningReplica]) -> bool:
-        cache = self.replica_queue_len_cache
-        known = [q for q in (cache.get(i) for i in by_id) if q is not None]
-        mine = cache.get(replica_id)
-        return mine is not None and bool(known) and mine - min(known) > self.imbalanced_threshold
+        return self._ongoing(replica_id) - min(map(self._ongoing, by_id)) > self.imbalanced_threshold
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         for prompt in batch_prompts(pending_request):
@@ -107,9 +135,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.index.forget(replica_id)
+        self.unsent.pop(replica_id, None)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         gone = set(self.curr_replicas) - {r.replica_id for r in replicas}
         super().update_replicas(replicas)
         for replica_id in gone:
             self.index.forget(replica_id)
+            self.unsent.pop(replica_id, None)

@@ -34,12 +34,10 @@ def client():
             "limits": {"default_max_tokens": 24, "max_tokens_limit": 64}, "predictor": None,
             "batcher": {"token_budget": 1}}  # a micro-batch per request: each turn routed on its own
     original = app.Decoder
-    # affinity alone: the router balances instead when the holder has more than the threshold (4)
-    # ongoing beyond the other, and the six first turns, routed at once on the same counts, can pile
-    # onto one replica (5 of 6 seen); the balancing has its unit test
-    app.Decoder = original.options(num_replicas=2, request_router_config={
-        "request_router_class": "deployments.prefix_router:PrefixAffinityRouter",
-        "request_router_kwargs": {"imbalanced_threshold": 64}})
+    # the Decoder's own router with its defaults: the six first turns, routed in one instant, must
+    # spread over both replicas (five of six went to one in a run before the router counted its choices
+    # not yet sent), or their next turns find their holder more than 4 busier and are balanced away
+    app.Decoder = original.options(num_replicas=2)
     try:
         serve.run(app.build_app(args), name="plato", route_prefix="/", blocking=False)
     finally:

@@ -3,6 +3,7 @@ and Serve's router over it (deployments.prefix_router), with stand-in replicas, 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -98,14 +99,23 @@ def _router(**kwargs) -> PrefixAffinityRouter:
 
 
 def _choose(router, replicas, request):
-    return asyncio.run(router.choose_replicas(replicas, request))
+    """The router's ranks; the choice is then forgotten, as if sent and counted by the test itself."""
+    ranks = asyncio.run(router.choose_replicas(replicas, request))
+    router.unsent.clear()
+    return ranks
+
+
+def _balanced(router, replicas, request) -> bool:
+    before = router.routed["balanced"]
+    _choose(router, replicas, request)
+    return router.routed["balanced"] == before + 1
 
 
 def test_a_batch_goes_first_to_the_replica_sent_its_start_then_to_two_random_ones():
     router, replicas = _router(), _replicas("a", "b", "c")
     turn = SYSTEM + [1] * 20
     first = _choose(router, replicas, _pending(turn))
-    assert len(first) == 1 and len(first[0]) == 2  # nothing shared yet: power of two choices
+    assert len(first) == 2 and all(len(rank) == 1 for rank in first)  # nothing shared: power of two choices
     router.on_request_routed(_pending(turn), replicas[2].replica_id, None)
     next_turn = turn + [2] * 30
     for _ in range(5):
@@ -127,21 +137,48 @@ def test_a_conversations_next_turn_follows_its_last_however_little_it_shares():
     router.on_request_routed(_pending(SYSTEM[:24] + [1] * 7), a.replica_id, None)  # a short first turn: 31 tokens
     router.on_request_routed(_pending(SYSTEM[:24] + [2] * 7), b.replica_id, None)
     assert _choose(router, [a, b], _pending(SYSTEM[:24] + [1] * 7 + [3] * 80))[0] == [a]  # 31 of 111 shared
-    assert len(_choose(router, [a, b], _pending(SYSTEM[:24] + [4] * 80))) == 1  # the system part alone: balanced
+    assert _balanced(router, [a, b], _pending(SYSTEM[:24] + [4] * 80))  # the system part alone
 
 
 def test_too_little_shared_or_a_busy_holder_falls_back_to_balancing():
     router, (a, b) = _router(min_shared_tokens=64, imbalanced_threshold=2), _replicas("a", "b")
     router.on_request_routed(_pending(SYSTEM + [1] * 32), a.replica_id, None)
-    assert len(_choose(router, [a, b], _pending(SYSTEM[:48]))) == 1  # 48 shared tokens < 64
-    assert len(_choose(router, [a, b], _pending(SYSTEM + [2] * 80))) == 1  # 64 shared of 144: under half
+    assert _balanced(router, [a, b], _pending(SYSTEM[:48]))  # 48 shared tokens < 64
+    assert _balanced(router, [a, b], _pending(SYSTEM + [2] * 80))  # 64 shared of 144: under half
     assert _choose(router, [a, b], _pending(SYSTEM + [2] * 60))[0] == [a]  # 64 of 124
     assert _choose(router, [a, b], _pending(SYSTEM + [1] * 32))[0] == [a]
     router.replica_queue_len_cache.update(a.replica_id, 5)
     router.replica_queue_len_cache.update(b.replica_id, 2)
-    assert len(_choose(router, [a, b], _pending(SYSTEM + [1] * 32))) == 1  # 5 - 2 > 2: balance instead
+    assert _balanced(router, [a, b], _pending(SYSTEM + [1] * 32))  # 5 - 2 > 2: balance instead
     router.replica_queue_len_cache.update(b.replica_id, 3)
     assert _choose(router, [a, b], _pending(SYSTEM + [1] * 32))[0] == [a]
+
+
+def test_micro_batches_routed_in_one_instant_are_spread_by_the_choices_not_yet_sent():
+    """Serve counts a call once it is sent, after every call routed in the same instant was chosen:
+    without the choices counted, six new conversations would all go to the replica then least busy."""
+    async def choose_six() -> tuple[list[str], PrefixAffinityRouter]:
+        router, (a, b) = _router(), _replicas("a", "b")
+        router.replica_queue_len_cache.update(b.replica_id, 1)
+        firsts = [(await router.choose_replicas([a, b], _pending([n] * 40)))[0] for n in range(6)]
+        return [rank[0].replica_id.unique_id for rank in firsts], router
+
+    chosen, router = asyncio.run(choose_six())
+    assert all(len(name) == 1 for name in chosen)
+    assert sorted([chosen.count("a"), chosen.count("b") + 1]) in ([3, 4], [4, 3])  # as even as 7 calls can be
+    a, b = _replicas("a", "b")
+    for name in chosen:  # Serve sends each: its count holds them now, and the choices are spent
+        router.on_send_request(a.replica_id if name == "a" else b.replica_id)
+    assert sum(map(len, router.unsent.values())) == 0
+    assert router.replica_queue_len_cache.get(a.replica_id) == chosen.count("a")
+
+
+def test_a_choice_never_sent_stops_counting_after_a_second():
+    router, (a, b) = _router(), _replicas("a", "b")
+    router.unsent[a.replica_id] = [time.monotonic() - 2, time.monotonic() - 2]
+    router.unsent[b.replica_id] = [time.monotonic()]
+    ranks = asyncio.run(router.choose_replicas([a, b], _pending([1] * 40)))
+    assert ranks[0] == [a]  # a's two stale choices are dropped: 0 against b's 1
 
 
 def test_a_dead_replica_is_forgotten():
@@ -158,7 +195,7 @@ def test_requests_that_are_not_micro_batches_are_balanced():
     assert batch_prompts(_request(["text"])) == []
     assert batch_prompts(_request([{"requests": [{"id": "x"}]}])) == []
     router, replicas = _router(), _replicas("a", "b")
-    assert len(_choose(router, replicas, _request([]))[0]) == 2
+    assert _balanced(router, replicas, _request([]))
 
 
 @dataclass
