@@ -117,6 +117,8 @@ class BatcherActor:
         self._room = asyncio.Event()  # set whenever a dispatched request or micro-batch finishes
         self._out_batches = 0  # micro-batches pushed to decoders, not yet finished
         self._out_priority: dict[str, int] = {}  # request id -> priority, of the requests in them not yet settled
+        self._out_tasks: dict[str, asyncio.Task] = {}  # batch id -> the task streaming it from a decoder
+        self._abandoned: set[str] = set()  # batch ids whose every request's caller went away
         self.counts = {"predictions": 0, "predictions_skipped": 0, "prediction_failures": 0, "refused": 0}
 
     # ---- requests in ----------------------------------------------------------------------------
@@ -129,6 +131,8 @@ class BatcherActor:
             result: Result = await waiter
         finally:
             self._waiters.pop(parsed.id, None)
+            if waiter.cancelled() or not waiter.done():  # a cancelled call cancels the future it awaits
+                self._forget(parsed.id)
         return result.model_dump(mode="json")
 
     async def stream(self, request: dict) -> AsyncIterator[dict]:
@@ -159,6 +163,23 @@ class BatcherActor:
             self._listeners.pop(parsed.id, None)
             self._streaming.discard(parsed.id)
             self._waiters.pop(parsed.id, None)
+            if not waiter.done():
+                self._forget(parsed.id)
+
+    def _forget(self, request_id: str) -> None:
+        """Its caller went away before the answer (a client that disconnects: Serve cancels the calls
+        made for it): the request leaves its queue, or its micro-batch in flight, and once nobody waits
+        for any request of that micro-batch its call to the decoder is cancelled, which aborts them
+        there. A request sharing its micro-batch with others still waited for decodes on, unread."""
+        batch_id = self.core.batch_of(request_id)
+        if self.core.cancel(request_id) and self.observer is not None:
+            self.observer.cancel()
+        for table in (self._progress, self._progress_logprobs, self._predicted):
+            table.pop(request_id, None)
+        task = self._out_tasks.get(batch_id) if batch_id is not None else None
+        if task is not None and not self.core.left_in(batch_id):
+            self._abandoned.add(batch_id)
+            task.cancel()
 
     def _stream_interval(self) -> float:
         """How long a streamed answer gathers tokens before its next message (see DispatchConfig)."""
@@ -226,6 +247,7 @@ class BatcherActor:
             self._out_batches += 1
             self._out_priority.update((r["id"], r["priority"]) for r in batch["requests"])
             task = asyncio.create_task(self._run_remote(batch))
+            self._out_tasks[batch["id"]] = task
             running.add(task)
             task.add_done_callback(running.discard)
 
@@ -245,9 +267,10 @@ class BatcherActor:
     async def _run_remote(self, batch: dict) -> None:
         """Stream one micro-batch from a decoder. Each request is settled, and its sequence slot
         freed for the next request, the moment its own result arrives, not when its batch ends."""
-        failed, failed_logprobs = None, None
+        failed, failed_logprobs, stream = None, None, None
         try:
-            async for message in self._send_batch(batch):
+            stream = self._send_batch(batch)
+            async for message in stream:
                 for item in message if isinstance(message, list) else [message]:  # a decoder may group items
                     if "event" in item:
                         self._on_event(item["event"])
@@ -259,12 +282,20 @@ class BatcherActor:
                     self._settle(self.core.report_one(batch["id"], result), result, refused)
                     self._out_priority.pop(result.request_id, None)
                     self._room.set()
+        except asyncio.CancelledError:
+            if batch["id"] not in self._abandoned:
+                raise
+            asyncio.current_task().uncancel()  # cancelled by `_forget`: nobody waits for any of its requests
+            if callable(getattr(stream, "cancel", None)):
+                stream.cancel()  # a Serve call is not cancelled with the task that reads it: cancel it there
         except Exception:  # the replica died or the call failed: what it finished is settled already;
             # the rest is re-queued after the tokens it streamed
             failed = {r["id"]: self._progress.get(r["id"], []) for r in batch["requests"]}
             failed_logprobs = {r["id"]: self._progress_logprobs[r["id"]] for r in batch["requests"]
                                if r["id"] in self._progress_logprobs}
         finally:
+            self._out_tasks.pop(batch["id"], None)
+            self._abandoned.discard(batch["id"])
             self._out_batches -= 1
             for request in batch["requests"]:  # those not settled: the replica failed or the stream ended early
                 self._out_priority.pop(request["id"], None)
@@ -273,7 +304,10 @@ class BatcherActor:
 
     def _on_event(self, event: dict) -> None:
         request_id = event["request_id"]
-        self._progress.setdefault(request_id, []).extend(event["token_ids"])
+        progress = self._progress.get(request_id)
+        if progress is None:  # cancelled while its micro-batch decodes on for the others
+            return
+        progress.extend(event["token_ids"])
         if request_id in self._progress_logprobs:
             self._progress_logprobs[request_id].extend(event.get("logprobs") or [])
         listener = self._listeners.get(request_id)

@@ -26,6 +26,7 @@ class BatcherMetrics:
         self.under_predicted = Counter("plato_predicted_length_under_total", "Answers longer than predicted.")
         self.predicted = Counter("plato_predicted_length_total", "Answers finished with a prediction.")
         self.requeued = Counter("plato_batcher_requeued_total", "Cut-off answers re-queued to continue.")
+        self.cancelled = Counter("plato_batcher_cancelled_total", "Requests whose caller went away before the answer.")
 
     def batch(self, size: int, tokens: int) -> None:
         self.batch_size.observe(size)
@@ -45,6 +46,9 @@ class BatcherMetrics:
 
     def requeue(self) -> None:
         self.requeued.inc()
+
+    def cancel(self) -> None:
+        self.cancelled.inc()
 
 
 class AnswerMetrics:

@@ -115,7 +115,8 @@ class Batcher:
         self._batch_prefix = uuid.uuid4().hex[:8]  # a restarted batcher never reuses a stale batch id
         self._batch_sizes: Counter[int] = Counter()
         self._counts = Counter(dict.fromkeys(("finished", "requeues", "requeued_tokens", "recompute_tokens",
-            "default_bin_uses", "clamped_predictions", "failed_batches", "missing_results", "ignored_results"), 0))
+            "default_bin_uses", "clamped_predictions", "failed_batches", "missing_results", "ignored_results",
+            "cancelled"), 0))
 
     # ---- requests in ----------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, now: float) -> None:
@@ -311,6 +312,32 @@ class Batcher:
         for entry in reversed(list(entries)):
             self._queues[entry.bin].appendleft(entry)
 
+    def cancel(self, request_id: str) -> bool:
+        """Forget a request whose caller went away: out of its queue, or out of its batch in flight
+        (a result of it is then ignored, and a failure of the batch never re-queues it). False for a
+        request neither queued nor in flight (answered already, or never submitted)."""
+        for queue in self._queues:
+            entry = next((e for e in queue if e.request.id == request_id), None)
+            if entry is not None:
+                queue.remove(entry)
+                break
+        else:
+            batch_id = self.batch_of(request_id)
+            if batch_id is None:
+                return False
+            del self._in_flight[batch_id][request_id]
+        self._live.discard(request_id)
+        self._counts["cancelled"] += 1
+        return True
+
+    def batch_of(self, request_id: str) -> str | None:
+        """The id of the batch in flight that holds the request, if one does."""
+        return next((b for b, entries in self._in_flight.items() if request_id in entries), None)
+
+    def left_in(self, batch_id: str) -> int:
+        """Requests of a batch in flight still waited for (not answered, re-queued or cancelled)."""
+        return len(self._in_flight.get(batch_id, ()))
+
     # ---- state ----------------------------------------------------------------------------------
     def pending(self) -> int:
         """Requests waiting in the queues."""
@@ -327,7 +354,8 @@ class Batcher:
     def stats(self) -> dict:
         """Counters for metrics: queue depth per bin, batches and their sizes, re-queues, recompute
         cost (requeued_tokens kept from cut answers; recompute_tokens prefilled again on resume),
-        default-bin uses and clamped predictions, failed batches, missing and ignored results."""
+        default-bin uses and clamped predictions, failed batches, missing and ignored results, and
+        requests cancelled by their callers."""
         batches = sum(self._batch_sizes.values())
         return {
             "queued_per_bin": [len(q) for q in self._queues],

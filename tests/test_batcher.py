@@ -314,3 +314,18 @@ def test_max_requests_caps_a_batch_below_max_batch_size_and_must_be_positive():
     assert len(b.next_batch(now=0.0).requests) == 4
     with pytest.raises(ValueError, match="max_requests"):
         b.next_batch(now=0.0, max_requests=0)
+
+
+def test_a_cancelled_request_leaves_its_queue_or_its_batch_and_is_never_requeued():
+    b = batcher(max_batch_size=2)
+    for rid in ("a", "b", "c"):
+        b.submit(req(rid, predicted=10), now=0)
+    batch = b.next_batch(now=0)  # a and b in flight, c queued
+    assert b.batch_of("a") == batch.id and b.batch_of("c") is None and b.left_in(batch.id) == 2
+    assert b.cancel("c") and b.pending() == 0
+    assert b.cancel("a") and b.left_in(batch.id) == 1 and b.batch_of("a") is None
+    assert not b.cancel("a") and not b.cancel("nobody")
+    assert b.report_one(batch.id, result("a", 3)) is None  # its result, should one come, is ignored
+    assert b.fail(batch.id) == 1 and ids_of(b.next_batch(now=1)) == ["b"]  # the failure re-queues b alone
+    b.submit(req("a", predicted=10), now=2)  # the id is free again
+    assert b.stats()["cancelled"] == 2 and b.stats()["ignored_results"] == 1

@@ -400,3 +400,109 @@ def test_with_every_slot_taken_a_higher_priority_still_goes_to_the_decoders(pree
     # the decoder's engine preempts a job answer for the chat; without, the chat waits for a slot
     assert then == (["job0", "job1", "chat"] if preempt else ["job0", "job1"])
     assert sorted(everything) == ["chat", "job0", "job1", "job2"]  # all answered, none twice
+
+
+def test_a_queued_request_whose_caller_goes_away_is_never_handed_to_a_decoder():
+    class CancelCounter:
+        cancelled = 0
+        batch = queues = finished = requeue = lambda *args: None
+
+        def cancel(self):
+            self.cancelled += 1
+
+    counter = CancelCounter()
+
+    async def main():
+        decoder = HoldingDecoder()
+        actor = BatcherActor({"bins": {"edges": [4, 64]}}, send_batch=decoder, dispatch={"max_requests_in_flight": 1},
+                             observer=counter)
+        first = asyncio.create_task(actor.submit(request("first")))
+        gone = asyncio.create_task(actor.submit(request("gone")))
+        await asyncio.sleep(0.2)
+        gone.cancel()  # Serve cancels the call when the client disconnects
+        await asyncio.sleep(0.1)
+        queued = (await actor.stats())["pending"]
+        decoder.release.set()
+        await first
+        return decoder.handed, queued, await actor.stats()
+
+    handed, queued, stats = run(main())
+    assert handed == ["first"] and queued == 0
+    assert stats["cancelled"] == counter.cancelled == 1 and stats["pending"] == stats["in_flight"] == 0
+
+
+class ServeLikeStream:
+    """A decoder call as Serve hands it back: an async iterator with `cancel()`, which cancelling
+    the task reading it does not call. Streams a token of each request every 10 ms until its
+    `length` tokens are out (forever for a request not in `lengths`)."""
+
+    def __init__(self, batch: dict, lengths: dict[str, int], log: dict):
+        self.batch, self.lengths, self.log = batch, lengths, log
+        self.items = self._items()
+
+    async def _items(self):
+        ids = [r["id"] for r in self.batch["requests"]]
+        for step in range(10_000):
+            await asyncio.sleep(0.01)
+            for rid in list(ids):
+                if step == self.lengths.get(rid, 10_000):
+                    ids.remove(rid)
+                    yield {"result": {"request_id": rid, "prompt_tokens": 2, "token_ids": [1] * step, "text": "",
+                                      "finish_reason": "stop", "ttft_s": 0.0, "latency_s": 0.0}}
+                else:
+                    yield {"event": {"request_id": rid, "token_ids": [1], "text": "x"}}
+            if not ids:
+                return
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.items.__anext__()
+
+    def cancel(self) -> None:
+        self.log.setdefault("cancelled", []).append([r["id"] for r in self.batch["requests"]])
+
+
+async def read_some(actor: BatcherActor, rid: str, events: int) -> None:
+    """Read a stream's first events, then stay, as a client that never reads on."""
+    seen = 0
+    async for _ in actor.stream(request(rid)):
+        seen += 1
+        if seen == events:
+            await asyncio.Event().wait()
+
+
+def test_a_micro_batch_whose_every_caller_went_away_is_cancelled_on_the_decoder():
+    async def main():
+        log: dict = {}
+        actor = BatcherActor({"bins": {"edges": [4, 64]}}, send_batch=lambda batch: ServeLikeStream(batch, {}, log))
+        reader = asyncio.create_task(read_some(actor, "endless", 2))
+        await asyncio.sleep(0.2)
+        reader.cancel()
+        await asyncio.sleep(0.1)
+        return log, await actor.stats(), actor._out_batches, actor._out_tasks, actor._progress
+
+    log, stats, out_batches, out_tasks, progress = run(main())
+    assert log == {"cancelled": [["endless"]]}
+    assert stats["cancelled"] == 1 and stats["pending"] == stats["in_flight"] == 0
+    assert out_batches == 0 and out_tasks == {} and progress == {}
+
+
+def test_a_request_whose_caller_went_away_leaves_its_batch_mates_to_finish():
+    async def main():
+        log: dict = {}
+        actor = BatcherActor({"bins": {"edges": [4, 64]}, "token_budget": 64},
+                             send_batch=lambda batch: ServeLikeStream(batch, {"stays": 20, "goes": 30}, log))
+        reader = asyncio.create_task(read_some(actor, "goes", 2))
+        stays = asyncio.create_task(collect(actor, "stays"))  # both queued before the first micro-batch forms
+        await asyncio.sleep(0.05)
+        reader.cancel()
+        tokens, result = await stays
+        await asyncio.sleep(0.2)  # the batch runs on for the request nobody reads, then ends
+        return log, tokens, result, await actor.stats(), actor._progress
+
+    log, tokens, result, stats, progress = run(main())
+    assert log == {} and len(tokens) == 20 and result["finish_reason"] == "stop"
+    assert stats["cancelled"] == 1 and stats["finished"] == 1 and stats["pending"] == stats["in_flight"] == 0
+    assert progress == {}

@@ -230,6 +230,41 @@ def test_streaming_bad_input_is_400_before_any_event(server):
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
 
 
+@pytest.mark.parametrize("mode", ["ar", "plato"])
+def test_a_client_that_disconnects_mid_answer_stops_its_decoding(server, mode):
+    """Serve cancels the calls made for a request whose client went away; the batcher then takes
+    the request out of its micro-batch and cancels that call on the decoder, whose engine aborts it
+    (a planned answer's plan and parts alike)."""
+    import time
+
+    from ray import serve
+
+    batcher = serve.get_deployment_handle("Batcher", app_name="plato")
+    decoder = serve.get_deployment_handle("Decoder", app_name="plato")
+    cancelled = batcher.stats.remote().result()["cancelled"]
+    generated = decoder.stats.remote().result()["generated_tokens"]
+    body = {"model": "embedded:smollm2-135m", "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 256, "ignore_eos": True, "stream": True, "mode": mode}
+    if mode == "ar":
+        with server.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            next(line for line in response.iter_lines() if '"content"' in line)  # the answer has begun
+    else:  # a planned answer is sent whole once assembled: the client gives up while it is planned
+        with httpx.Client(base_url=server.base_url, timeout=2.0) as impatient, pytest.raises(httpx.ReadTimeout):
+            with impatient.stream("POST", "/v1/chat/completions", json=body) as response:
+                list(response.iter_lines())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        engine = decoder.stats.remote().result()
+        if engine["running"] == engine["waiting"] == 0:
+            break
+        time.sleep(0.2)
+    assert engine["running"] == engine["waiting"] == 0
+    assert engine["generated_tokens"] - generated < 200  # aborted well before its 256 tokens
+    stats = batcher.stats.remote().result()
+    assert stats["cancelled"] > cancelled and stats["in_flight"] == stats["pending"] == 0
+
+
 def test_prometheus_metrics_are_exported_under_the_names_the_readme_lists(server):
     # as `ray_plato_...`: Ray's exporter prefixes the custom metrics of `ray.serve.metrics` with `ray_`
     import re
