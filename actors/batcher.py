@@ -285,7 +285,9 @@ class BatcherActor:
         except asyncio.CancelledError:
             if batch["id"] not in self._abandoned:
                 raise
-            asyncio.current_task().uncancel()  # cancelled by `_forget`: nobody waits for any of its requests
+            task = asyncio.current_task()  # cancelled by `_forget`: nobody waits for any of its requests
+            if hasattr(task, "uncancel"):  # Python 3.11 on counts cancel requests; 3.10 has no count to undo
+                task.uncancel()
             if callable(getattr(stream, "cancel", None)):
                 stream.cancel()  # a Serve call is not cancelled with the task that reads it: cancel it there
         except Exception:  # the replica died or the call failed: what it finished is settled already;
