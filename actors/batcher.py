@@ -29,6 +29,8 @@ SendBatch = Callable[[dict], AsyncIterator[dict]]
 # predict(prompt_ids, share) -> the length, or {"length", "kv_len"} where the predictor published the
 # KV of the prompt's first kv_len tokens to the context cache (asked with share=True)
 Predict = Callable[[list[int], bool], Awaitable["int | dict"]]
+# aborts requests of a micro-batch on the decoder running it: {"batch_id": ..., "abort": [request ids]}
+AbortOnDecoder = Callable[[dict], Awaitable[int]]
 
 
 class DispatchConfig(BaseModel):
@@ -100,11 +102,13 @@ class BatcherActor:
     `send_batch`/`predict`. `config` is a `BatcherConfig` as a dict."""
 
     def __init__(self, config: dict | None = None, send_batch: SendBatch | None = None,
-                 predict: Predict | None = None, dispatch: dict | None = None, observer=None):
+                 predict: Predict | None = None, dispatch: dict | None = None, observer=None,
+                 abort_on_decoder: AbortOnDecoder | None = None):
         """`observer` (deployments.metrics.BatcherMetrics or None) hears of batches, queues and lengths."""
         self.core = Batcher(BatcherConfig.model_validate(config or {}))
         self.dispatch = DispatchConfig.model_validate(dispatch or {})
-        self._send_batch, self._predict = send_batch, predict
+        self._send_batch, self._predict, self._abort_on_decoder = send_batch, predict, abort_on_decoder
+        self._aborting: set[asyncio.Task] = set()  # abort calls under way, held: the loop keeps weak references
         self._waiters: dict[str, asyncio.Future] = {}
         self._listeners: dict[str, asyncio.Queue] = {}
         self._streaming: set[str] = set()  # streamed requests that have sent their first token
@@ -168,18 +172,33 @@ class BatcherActor:
 
     def _forget(self, request_id: str) -> None:
         """Its caller went away before the answer (a client that disconnects: Serve cancels the calls
-        made for it): the request leaves its queue, or its micro-batch in flight, and once nobody waits
-        for any request of that micro-batch its call to the decoder is cancelled, which aborts them
-        there. A request sharing its micro-batch with others still waited for decodes on, unread."""
+        made for it): the request leaves its queue, or its micro-batch in flight. Once nobody waits for
+        any request of that micro-batch its call to the decoder is cancelled, which aborts them there;
+        before that, the decoder running it is asked to abort this one (`abort_on_decoder`), else it
+        decodes on, unread."""
         batch_id = self.core.batch_of(request_id)
         if self.core.cancel(request_id) and self.observer is not None:
             self.observer.cancel()
         for table in (self._progress, self._progress_logprobs, self._predicted):
             table.pop(request_id, None)
         task = self._out_tasks.get(batch_id) if batch_id is not None else None
-        if task is not None and not self.core.left_in(batch_id):
+        if task is None:
+            return
+        if not self.core.left_in(batch_id):
             self._abandoned.add(batch_id)
             task.cancel()
+        elif self._abort_on_decoder is not None:
+            # outside the context of the request being cancelled, whose calls Serve cancels with it
+            call = asyncio.create_task(self._abort_remote({"batch_id": batch_id, "abort": [request_id]}),
+                                       context=contextvars.Context())
+            self._aborting.add(call)
+            call.add_done_callback(self._aborting.discard)
+
+    async def _abort_remote(self, call: dict) -> None:
+        try:
+            await self._abort_on_decoder(call)
+        except Exception:  # the replica is gone, or so is the batch: nothing left to abort
+            log.warning("batcher: aborting %s on its decoder failed", call, exc_info=True)
 
     def _stream_interval(self) -> float:
         """How long a streamed answer gathers tokens before its next message (see DispatchConfig)."""

@@ -38,6 +38,8 @@ class DecoderReplica:
         self.observer = observer
         self.counts = {"prefix_local": 0, "prefix_fetched": 0, "prefix_computed": 0, "prefix_fetch_failed": 0}
         self._drafts_reported = (0, 0)  # the engine's (draft, kept) token counts the observer has heard of
+        self._pumps: dict[str, asyncio.Task] = {}  # request id -> the task streaming it, while its micro-batch runs
+        self._aborted: set[str] = set()  # ids `abort` cancelled, whose micro-batch goes on for the others
 
     async def run_batch(self, batch: dict):
         """Yield lists of items, each list all that was ready at once (one engine step's tokens for
@@ -71,8 +73,20 @@ class DecoderReplica:
                 if prefix is not None:
                     self._computing.discard(prefix_key(prefix))
 
-        tasks = [asyncio.create_task(pump(r)) for r in requests]
-        unfinished = len(requests)
+        def ended(task: asyncio.Task, request_id: str) -> None:
+            if self._pumps.get(request_id) is task:  # (not a retry of the same id streaming here since)
+                del self._pumps[request_id]
+            if request_id in self._aborted:  # leaving the engine's stream aborted it there
+                self._aborted.discard(request_id)
+                queue.put_nowait({"error": {"request_id": request_id, "message": "aborted: its caller went away"}})
+
+        tasks = []
+        for request in requests:
+            task = asyncio.create_task(pump(request))
+            task.add_done_callback(lambda t, request_id=request.id: ended(t, request_id))
+            self._pumps[request.id] = task
+            tasks.append(task)
+        unfinished, answered = len(requests), set()
         try:
             while unfinished:
                 ready = [await queue.get()]
@@ -86,14 +100,31 @@ class DecoderReplica:
                         if item.token_ids or item.text:
                             out.append({"event": item.model_dump(mode="json")})
                         continue
+                    request_id = item.request_id if isinstance(item, Result) else item["error"]["request_id"]
+                    if request_id in answered:  # aborted just after its result: answered already
+                        continue
+                    answered.add(request_id)
                     out.append({"result": item.model_dump(mode="json")} if isinstance(item, Result) else item)
                     unfinished -= 1
                 if out:
                     yield out
             await self._report_drafts()
         finally:
-            for task in tasks:
+            for request, task in zip(requests, tasks):
                 task.cancel()  # a consumer that stops early aborts what is still running
+                if self._pumps.get(request.id) is task:
+                    del self._pumps[request.id]
+
+    async def abort(self, request: dict) -> int:
+        """Abort requests of a micro-batch running here whose callers went away (`{"batch_id": ...,
+        "abort": [request ids]}`) while the rest of it goes on; each is answered with an error, which
+        the batcher ignores. Returns how many were running here: the Decoder's router sends this call
+        to the replica it sent the micro-batch to, and elsewhere it finds none."""
+        running = [(i, self._pumps[i]) for i in request.get("abort", []) if i in self._pumps]
+        for request_id, task in running:
+            self._aborted.add(request_id)
+            task.cancel()
+        return len(running)
 
     async def _report_drafts(self) -> None:
         """Hand the observer the draft tokens the engine checked since the last report (micro-batches

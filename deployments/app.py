@@ -94,7 +94,8 @@ class Batcher(BatcherActor):
         stream = decoder.options(stream=True)
         super().__init__(config, send_batch=lambda batch: stream.run_batch.remote(batch),
                          predict=_predict_through(predictor) if predictor is not None else None,
-                         dispatch=dispatch, observer=BatcherMetrics())
+                         dispatch=dispatch, observer=BatcherMetrics(),
+                         abort_on_decoder=lambda call: decoder.abort.remote(call))
 
 
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})

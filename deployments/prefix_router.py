@@ -10,11 +10,13 @@ because the one Batcher replica sends them all. The queue lengths are the ones S
 already caches from its probes and replies (none are probed for this), plus the replicas this router
 chose in the last second for calls not sent yet: Serve counts a call only once it is sent, after
 every call routed in the same instant has been chosen, so micro-batches pushed together would all
-see the same counts and pile onto one replica."""
+see the same counts and pile onto one replica. An abort call for requests of a micro-batch
+(`Decoder.abort`) goes to the replica that micro-batch was sent to."""
 from __future__ import annotations
 
 import random
 import time
+from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -22,6 +24,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 from deployments.prefix_index import PrefixIndex
 
 UNSENT_TTL_S = 1.0  # a choice not followed by a send within this long was dropped (Serve backed off)
+MAX_HOLDERS = 4096  # micro-batches whose replica is remembered, for aborts of their requests
 
 
 def batch_prompts(pending_request: PendingRequest | None) -> list[list[int]]:
@@ -32,6 +35,14 @@ def batch_prompts(pending_request: PendingRequest | None) -> list[list[int]]:
     if not isinstance(batch, dict) or not isinstance(batch.get("requests"), list):
         return []
     return [r["prompt_ids"] for r in batch["requests"] if isinstance(r, dict) and isinstance(r.get("prompt_ids"), list)]
+
+
+def aborted_batch(pending_request: PendingRequest | None) -> str | None:
+    """The micro-batch an abort call names (`Decoder.abort({"batch_id", "abort"})`), else None."""
+    if pending_request is None or not pending_request.args or not isinstance(pending_request.args[0], dict):
+        return None
+    call = pending_request.args[0]
+    return call.get("batch_id") if "abort" in call else None
 
 
 def most_shared(index: PrefixIndex, prompts: list[list[int]], candidates: list[Any]) -> tuple[list[Any], int, bool]:
@@ -71,6 +82,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.imbalanced_threshold = imbalanced_threshold
         self.routed = {"preferred": 0, "balanced": 0}  # what choose_replicas did, for tests and logs
         self.unsent: dict[ReplicaID, list[float]] = {}  # when each replica was chosen for a call not sent yet
+        self.holders: OrderedDict[str, ReplicaID] = OrderedDict()  # micro-batch id -> the replica sent it
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -81,6 +93,10 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self._forget_unsent_before(time.monotonic() - UNSENT_TTL_S)
         two = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
         by_id = {r.replica_id: r for r in candidate_replicas}
+        batch_id = aborted_batch(pending_request)
+        if batch_id is not None:  # to the replica running the micro-batch; one that is gone runs nothing
+            holder = by_id.get(self.holders.get(batch_id))
+            return [[holder]] if holder is not None else [two]
         prompts = batch_prompts(pending_request)
         preferred, tokens, continued = most_shared(self.index, prompts, list(by_id))
         preferred = [by_id[i] for i in preferred if not self._too_busy(i, by_id)]
@@ -129,17 +145,26 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         return self._ongoing(replica_id) - min(map(self._ongoing, by_id)) > self.imbalanced_threshold
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        for prompt in batch_prompts(pending_request):
+        prompts = batch_prompts(pending_request)
+        for prompt in prompts:
             self.index.record(prompt, replica_id)
+        if prompts and isinstance(pending_request.args[0].get("id"), str):
+            self.holders[pending_request.args[0]["id"]] = replica_id
+            if len(self.holders) > MAX_HOLDERS:
+                self.holders.popitem(last=False)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.index.forget(replica_id)
-        self.unsent.pop(replica_id, None)
+        self._forget_replica(replica_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         gone = set(self.curr_replicas) - {r.replica_id for r in replicas}
         super().update_replicas(replicas)
         for replica_id in gone:
-            self.index.forget(replica_id)
-            self.unsent.pop(replica_id, None)
+            self._forget_replica(replica_id)
+
+    def _forget_replica(self, replica_id: ReplicaID) -> None:
+        self.index.forget(replica_id)
+        self.unsent.pop(replica_id, None)
+        for batch_id in [b for b, holder in self.holders.items() if holder == replica_id]:
+            del self.holders[batch_id]

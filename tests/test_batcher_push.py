@@ -445,7 +445,11 @@ class ServeLikeStream:
         for step in range(10_000):
             await asyncio.sleep(0.01)
             for rid in list(ids):
-                if step == self.lengths.get(rid, 10_000):
+                self.log.setdefault("steps", {})[rid] = step
+                if rid in self.log.get("aborted", ()):
+                    ids.remove(rid)
+                    yield {"error": {"request_id": rid, "message": "aborted: its caller went away"}}
+                elif step == self.lengths.get(rid, 10_000):
                     ids.remove(rid)
                     yield {"result": {"request_id": rid, "prompt_tokens": 2, "token_ids": [1] * step, "text": "",
                                       "finish_reason": "stop", "ttft_s": 0.0, "latency_s": 0.0}}
@@ -484,16 +488,26 @@ def test_a_micro_batch_whose_every_caller_went_away_is_cancelled_on_the_decoder(
         return log, await actor.stats(), actor._out_batches, actor._out_tasks, actor._progress
 
     log, stats, out_batches, out_tasks, progress = run(main())
-    assert log == {"cancelled": [["endless"]]}
+    assert log["cancelled"] == [["endless"]]
     assert stats["cancelled"] == 1 and stats["pending"] == stats["in_flight"] == 0
     assert out_batches == 0 and out_tasks == {} and progress == {}
 
 
-def test_a_request_whose_caller_went_away_leaves_its_batch_mates_to_finish():
+@pytest.mark.parametrize("abort_on_decoder", [True, False])
+def test_a_request_whose_caller_went_away_leaves_its_batch_mates_to_finish(abort_on_decoder):
+    """With the decoder reachable for aborts (the Serve app), the request is aborted there at once;
+    without, it decodes on, unread, to its end."""
+    async def abort(call: dict) -> int:
+        log.setdefault("abort_calls", []).append(call)
+        log.setdefault("aborted", set()).update(call["abort"])
+        return len(call["abort"])
+
+    log: dict = {}
+
     async def main():
-        log: dict = {}
         actor = BatcherActor({"bins": {"edges": [4, 64]}, "token_budget": 64},
-                             send_batch=lambda batch: ServeLikeStream(batch, {"stays": 20, "goes": 30}, log))
+                             send_batch=lambda batch: ServeLikeStream(batch, {"stays": 20, "goes": 30}, log),
+                             abort_on_decoder=abort if abort_on_decoder else None)
         reader = asyncio.create_task(read_some(actor, "goes", 2))
         stays = asyncio.create_task(collect(actor, "stays"))  # both queued before the first micro-batch forms
         await asyncio.sleep(0.05)
@@ -503,6 +517,10 @@ def test_a_request_whose_caller_went_away_leaves_its_batch_mates_to_finish():
         return log, tokens, result, await actor.stats(), actor._progress
 
     log, tokens, result, stats, progress = run(main())
-    assert log == {} and len(tokens) == 20 and result["finish_reason"] == "stop"
+    assert "cancelled" not in log and len(tokens) == 20 and result["finish_reason"] == "stop"
+    if abort_on_decoder:
+        assert [call["abort"] for call in log["abort_calls"]] == [["goes"]] and log["steps"]["goes"] < 15
+    else:
+        assert "abort_calls" not in log and log["steps"]["goes"] == 30  # decoded on to its end
     assert stats["cancelled"] == 1 and stats["finished"] == 1 and stats["pending"] == stats["in_flight"] == 0
     assert progress == {}

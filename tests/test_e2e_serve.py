@@ -265,6 +265,31 @@ def test_a_client_that_disconnects_mid_answer_stops_its_decoding(server, mode):
     assert stats["cancelled"] > cancelled and stats["in_flight"] == stats["pending"] == 0
 
 
+def test_one_request_of_a_micro_batch_is_aborted_on_its_decoder_while_the_other_decodes_on(server):
+    """What the batcher asks when one caller of a micro-batch goes away and another still waits: the
+    abort reaches the replica running the micro-batch (through the Decoder's router)."""
+    from ray import serve
+
+    from engine.types import GenerationRequest, SamplingParams
+
+    decoder = serve.get_deployment_handle("Decoder", app_name="plato")
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    batch = {"id": "e2e-abort", "requests": [GenerationRequest(id=i, prompt_ids=[1, 504, 28, 30], params=params)
+                                             .model_dump(mode="json") for i in ("goes", "stays")]}
+    tokens, ends, aborted = {"goes": 0, "stays": 0}, {}, None
+    for message in decoder.options(stream=True).run_batch.remote(batch):
+        for item in message:
+            if "event" in item:
+                tokens[item["event"]["request_id"]] += len(item["event"]["token_ids"])
+            else:
+                ends[(item.get("result") or item["error"])["request_id"]] = item
+        if aborted is None and tokens["goes"] >= 2:
+            aborted = decoder.abort.remote({"batch_id": "e2e-abort", "abort": ["goes"]}).result()
+    assert aborted == 1 and tokens["goes"] < 64
+    assert ends["goes"]["error"]["message"] == "aborted: its caller went away"
+    assert ends["stays"]["result"]["finish_reason"] == "length" and len(ends["stays"]["result"]["token_ids"]) == 64
+
+
 def test_prometheus_metrics_are_exported_under_the_names_the_readme_lists(server):
     # as `ray_plato_...`: Ray's exporter prefixes the custom metrics of `ray.serve.metrics` with `ray_`
     import re

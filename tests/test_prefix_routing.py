@@ -181,6 +181,18 @@ def test_a_choice_never_sent_stops_counting_after_a_second():
     assert ranks[0] == [a]  # a's two stale choices are dropped: 0 against b's 1
 
 
+def test_an_abort_goes_to_the_replica_that_was_sent_its_micro_batch():
+    router, (a, b, c) = _router(), _replicas("a", "b", "c")
+    batch = {"id": "mb1", "requests": [{"id": "x", "prompt_ids": [3] * 40}, {"id": "y", "prompt_ids": [4] * 40}]}
+    router.on_request_routed(_request([batch]), b.replica_id, None)
+    abort = _request([{"batch_id": "mb1", "abort": ["x"]}])
+    assert all(_choose(router, [a, b, c], abort) == [[b]] for _ in range(5))
+    unknown = _choose(router, [a, b, c], _request([{"batch_id": "mb2", "abort": ["z"]}]))
+    assert len(unknown) == 1 and len(unknown[0]) == 2  # no replica runs it: anywhere, where it finds nothing
+    router.on_replica_actor_died(b.replica_id)
+    assert router.holders == {} and len(_choose(router, [a, c], abort)[0]) == 2
+
+
 def test_a_dead_replica_is_forgotten():
     router, (a, b) = _router(), _replicas("a", "b")
     router.on_request_routed(_pending(SYSTEM), a.replica_id, None)
