@@ -17,7 +17,7 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 
 from pydantic import BaseModel, Field
 
@@ -31,6 +31,8 @@ SendBatch = Callable[[dict], AsyncIterator[dict]]
 Predict = Callable[[list[int], bool], Awaitable["int | dict"]]
 # aborts requests of a micro-batch on the decoder running it: {"batch_id": ..., "abort": [request ids]}
 AbortOnDecoder = Callable[[dict], Awaitable[int]]
+# prompt ids -> the decoder replica that holds their start's KV (deployments.prefix_router.holder_lookup)
+HolderOf = Callable[[list[int]], Hashable | None]
 
 
 class DispatchConfig(BaseModel):
@@ -60,6 +62,10 @@ class DispatchConfig(BaseModel):
         "streaming at once: with N streaming, each gathers its tokens for N / this seconds when that is longer "
         "than stream_interval_s. For a CPU host, where every message on every hop (batcher, ingress, proxy, "
         "client) takes CPU from the decoders; None: no cap (GPU hosts).")
+    split_by_holder: bool = Field(
+        True, description="Keep prompts that different decoder replicas hold cached (a conversation's earlier "
+        "turns, as the Decoder's prefix router saw them sent) in different micro-batches, so each goes to its "
+        "holder; a micro-batch runs on one replica. No effect without the prefix router.")
 
 
 class RequestFailed(RuntimeError):
@@ -103,11 +109,13 @@ class BatcherActor:
 
     def __init__(self, config: dict | None = None, send_batch: SendBatch | None = None,
                  predict: Predict | None = None, dispatch: dict | None = None, observer=None,
-                 abort_on_decoder: AbortOnDecoder | None = None):
-        """`observer` (deployments.metrics.BatcherMetrics or None) hears of batches, queues and lengths."""
+                 abort_on_decoder: AbortOnDecoder | None = None, holder_of: HolderOf | None = None):
+        """`observer` (deployments.metrics.BatcherMetrics or None) hears of batches, queues and lengths;
+        `holder_of` says which decoder replica holds a prompt (see DispatchConfig.split_by_holder)."""
         self.core = Batcher(BatcherConfig.model_validate(config or {}))
         self.dispatch = DispatchConfig.model_validate(dispatch or {})
         self._send_batch, self._predict, self._abort_on_decoder = send_batch, predict, abort_on_decoder
+        self._holder_of = holder_of if self.dispatch.split_by_holder else None
         self._aborting: set[asyncio.Task] = set()  # abort calls under way, held: the loop keeps weak references
         self._waiters: dict[str, asyncio.Future] = {}
         self._listeners: dict[str, asyncio.Queue] = {}
@@ -123,7 +131,8 @@ class BatcherActor:
         self._out_priority: dict[str, int] = {}  # request id -> priority, of the requests in them not yet settled
         self._out_tasks: dict[str, asyncio.Task] = {}  # batch id -> the task streaming it from a decoder
         self._abandoned: set[str] = set()  # batch ids whose every request's caller went away
-        self.counts = {"predictions": 0, "predictions_skipped": 0, "prediction_failures": 0, "refused": 0}
+        self.counts = {"predictions": 0, "predictions_skipped": 0, "prediction_failures": 0, "refused": 0,
+                       "decoder_aborts": 0}  # requests a decoder said it aborted when asked
 
     # ---- requests in ----------------------------------------------------------------------------
     async def submit(self, request: dict) -> dict:
@@ -196,7 +205,8 @@ class BatcherActor:
 
     async def _abort_remote(self, call: dict) -> None:
         try:
-            await self._abort_on_decoder(call)
+            aborted = await self._abort_on_decoder(call)
+            self.counts["decoder_aborts"] += aborted if isinstance(aborted, int) else 0
         except Exception:  # the replica is gone, or so is the batch: nothing left to abort
             log.warning("batcher: aborting %s on its decoder failed", call, exc_info=True)
 
@@ -256,7 +266,8 @@ class BatcherActor:
                 self._room.clear()
                 await self._room.wait()
             try:
-                batch = await self.next_batch(wait_s=1.0, max_requests=self._dispatch_room())
+                batch = await self.next_batch(wait_s=1.0, max_requests=self._dispatch_room(),
+                                              holder_of=self._holder_of)
             except Exception:  # never let one bad batch stop all dispatch
                 log.exception("batcher: forming a micro-batch failed")
                 batch = None
@@ -337,14 +348,15 @@ class BatcherActor:
 
     # ---- pull: decoders ask for work ------------------------------------------------------------
     async def next_batch(self, budget_override: int | None = None, wait_s: float = 0.0,
-                         max_requests: int | None = None) -> dict | None:
+                         max_requests: int | None = None, holder_of: HolderOf | None = None) -> dict | None:
         """The next `MicroBatch` as a dict, or None when nothing is queued within `wait_s` seconds.
         `budget_override` replaces the configured token budget (the caller's free KV memory);
-        `max_requests` caps the batch's size (the caller's free sequence slots)."""
+        `max_requests` caps the batch's size (the caller's free sequence slots); `holder_of` (the push
+        loop's) keeps prompts held by different replicas apart."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
-            batch = self.core.next_batch(time.monotonic(), budget_override, max_requests)
+            batch = self.core.next_batch(time.monotonic(), budget_override, max_requests, holder_of)
             left = deadline - loop.time()
             if batch is not None and self.observer is not None:
                 self.observer.batch(len(batch.requests), batch.tokens)

@@ -10,7 +10,13 @@ application afresh (empty caches) and first holds one untimed conversation; the 
 replica's cache (`usage.prompt_tokens_details.cached_tokens`), the share of them that found at least
 the turn before's whole prompt cached (the rest landed on a replica without it), mean time to first
 token, and how many conversations got the same answers under both. `ttft_gain` = the later turns' mean time to first
-token under power of two choices over under prefix affinity. Writes bench/results/routing.json."""
+token under power of two choices over under prefix affinity. Writes bench/results/routing.json.
+
+`--busy N` lets at most N micro-batches out to the decoders at once, so turns queue in the batcher and
+leave together, several to a micro-batch, which runs on one replica: a third side, `affinity-unsplit`,
+turns off the batcher's keeping apart of prompts that different replicas hold (`split_by_holder`), and
+`split_gain` is its later turns' mean time to first token over `affinity`'s. Writes
+bench/results/routing_busy.json."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +30,7 @@ from bench.common import machine, table, write_result
 from bench.turns_bench import conversations
 
 SIDES = ("affinity", "balanced")
+BUSY_SIDES = ("affinity", "affinity-unsplit", "balanced")
 POWER_OF_TWO = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"  # Serve's default
 REPLICAS = 2
 
@@ -72,12 +79,16 @@ async def _conversation(session, talk: list[str], max_tokens: int) -> list[dict]
     return turns
 
 
-def _side(side: str, warmup: list[str], talks: list[list[str]], max_tokens: int) -> list[list[dict]]:
+def _side(side: str, warmup: list[str], talks: list[list[str]], max_tokens: int, busy: int | None = None
+          ) -> list[list[dict]]:
     from bench.serve_bench import app_args, http_session, serve_app
 
     args = app_args(predictor=False)
     args["engine"]["num_threads"] = 1  # a core for each of the two replicas
     args["dispatch"]["max_requests_in_flight"] = args["dispatch"]["max_batches_in_flight"] = 32 * REPLICAS
+    if busy is not None:
+        args["dispatch"]["max_batches_in_flight"] = busy
+    args["dispatch"]["split_by_holder"] = side != "affinity-unsplit"
 
     async def talk_all(base_url: str) -> list[list[dict]]:
         async with http_session(base_url) as session:
@@ -116,28 +127,35 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1, help="each side this many times, in turns")
+    parser.add_argument("--busy", type=int, default=None, metavar="N",
+                        help="at most N micro-batches out at once; adds the side affinity-unsplit (see above)")
     args = parser.parse_args(argv)
+    if args.busy is not None and args.busy < 1:
+        parser.error(f"--busy must be at least 1, got {args.busy}")
+    sides_run = SIDES if args.busy is None else BUSY_SIDES
     count, turns, max_tokens, repeats = ((4, 3, 24, 1) if args.quick else
                                          (args.conversations, args.turns, args.max_tokens, args.repeats))
 
     talks = conversations(count + 1, turns)
-    runs: dict[str, list] = {side: [] for side in SIDES}
+    runs: dict[str, list] = {side: [] for side in sides_run}
     for i in range(repeats):
-        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
-            runs[side].append(_side(side, talks[0][:2], talks[1:], max_tokens))
+        for side in sides_run if i % 2 == 0 else sides_run[::-1]:
+            runs[side].append(_side(side, talks[0][:2], talks[1:], max_tokens, args.busy))
     sides = summarize(runs)
-    same = sum(a == b for a, b in zip(*([[t["text"] for t in talk] for r in runs[side] for talk in r]
-                                        for side in SIDES)))
+    texts = [[[t["text"] for t in talk] for r in runs[side] for talk in r] for side in sides_run]
+    same = sum(all(talk == per_side[0] for talk in per_side[1:]) for per_side in zip(*texts))
+    ttft = {side: sides[side]["later_turns_ttft_s"] for side in sides_run}
     payload = {
         "conversations": count, "turns": turns, "max_tokens": max_tokens, "repeats": repeats, "replicas": REPLICAS,
-        "sides": sides,
-        "ttft_gain": round(sides["balanced"]["later_turns_ttft_s"] / sides["affinity"]["later_turns_ttft_s"], 2),
+        "busy": args.busy, "sides": sides, "ttft_gain": round(ttft["balanced"] / ttft["affinity"], 2),
+        **({"split_gain": round(ttft["affinity-unsplit"] / ttft["affinity"], 2)} if args.busy is not None else {}),
         "same_answers": same, "runs": runs, "machine": machine(),
     }
     print(table(["side", "found the turn before", "later turns cached", "later turns TTFT s", *(f"turn {t + 1} TTFT s" for t in range(turns))],
                 [[side, sides[side]["later_turns_found_earlier"], sides[side]["later_turns_cached_share"], sides[side]["later_turns_ttft_s"],
-                  *sides[side]["ttft_s_per_turn"]] for side in SIDES]))
+                  *sides[side]["ttft_s_per_turn"]] for side in sides_run]))
     print(f"ttft_gain {payload['ttft_gain']} (later turns, power of two choices over prefix affinity); "
-          f"same answers in {same} of {count * repeats} conversations")
-    print(f"wrote {write_result('routing', payload)}")
+          + (f"split_gain {payload['split_gain']} (affinity-unsplit over affinity); " if args.busy is not None else "")
+          + f"same answers in {same} of {count * repeats} conversations")
+    print(f"wrote {write_result('routing' if args.busy is None else 'routing_busy', payload)}")
     return payload

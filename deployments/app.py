@@ -28,6 +28,7 @@ from deployments.config import AppConfig, load_app_config
 from deployments.cpu_priority import RoutingPriority, lower_routing_priority
 from deployments.metrics import AnswerMetrics, BatcherMetrics, DecoderMetrics
 from deployments.openai_schema import OpenAIRequest, RequestError
+from deployments.prefix_holders import holder_lookup
 from deployments.prefix_router import PrefixAffinityRouter
 from deployments.routing import RoutedBackend
 
@@ -95,7 +96,8 @@ class Batcher(BatcherActor):
         super().__init__(config, send_batch=lambda batch: stream.run_batch.remote(batch),
                          predict=_predict_through(predictor) if predictor is not None else None,
                          dispatch=dispatch, observer=BatcherMetrics(),
-                         abort_on_decoder=lambda call: decoder.abort.remote(call))
+                         abort_on_decoder=lambda call: decoder.abort.remote(call),
+                         holder_of=holder_lookup(decoder.app_name, decoder.deployment_name))
 
 
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})

@@ -10,9 +10,11 @@ an earlier one, every token of it, is known as such: a conversation's next turn,
 last one, its answer and a new message. The replica sent the earlier prompt likely holds the answer's
 KV as well, which the index never sees. The index is a guess at the replicas' caches, not a mirror:
 a replica may have evicted what the index still lists, so a wrong guess costs a prefill, never a
-wrong answer."""
+wrong answer. It is thread-safe: Serve runs the router on a loop of its own, while the batcher,
+which groups micro-batches by the replica holding their prompts, asks from the replica's loop."""
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
@@ -49,6 +51,7 @@ class PrefixIndex:
         # a block's name, or a whole prompt's (_whole_name) -> replicas, oldest first; least recent first
         self._holders: OrderedDict[Hashable, dict[Hashable, None]] = OrderedDict()
         self._tails: dict[int, dict[int, int]] = {}  # block name -> lengths of whole prompts' tails after it -> count
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -56,6 +59,10 @@ class PrefixIndex:
     def record(self, prompt_ids: Sequence[int], replica: Hashable) -> None:
         """`replica` was sent this prompt: it will hold the KV of the prompt's start."""
         names = block_names(prompt_ids, self.block_tokens)
+        with self._lock:
+            self._record(prompt_ids, names, replica)
+
+    def _record(self, prompt_ids: Sequence[int], names: list[int], replica: Hashable) -> None:
         after = names[-1] if names else 0
         whole = _whole_name(after, prompt_ids[len(names) * self.block_tokens :])
         for name in [*names, whole]:
@@ -81,13 +88,15 @@ class PrefixIndex:
                 if not tails:
                     del self._tails[name[1]]
 
-    def match(self, prompt_ids: Sequence[int], candidates: Iterable[Hashable]) -> Match:
-        """The candidates sent the longest start this prompt shares, be it whole blocks or an entire
-        earlier prompt; Match([], 0, False) when none shares anything."""
-        candidates = set(candidates)
+    def match(self, prompt_ids: Sequence[int], candidates: Iterable[Hashable] | None = None) -> Match:
+        """The candidates (None: any replica) sent the longest start this prompt shares, be it whole
+        blocks or an entire earlier prompt; Match([], 0, False) when none shares anything."""
+        with self._lock:
+            return self._match(prompt_ids, None if candidates is None else set(candidates))
 
+    def _match(self, prompt_ids: Sequence[int], candidates: set | None) -> Match:
         def held(name) -> list:
-            return [r for r in reversed(self._holders.get(name, {})) if r in candidates]
+            return [r for r in reversed(self._holders.get(name, {})) if candidates is None or r in candidates]
 
         best = Match([], 0, False)
         after, depth = 0, 0
@@ -111,6 +120,10 @@ class PrefixIndex:
 
     def forget(self, replica: Hashable) -> None:
         """The replica is gone: drop it, and the names no one else holds."""
+        with self._lock:
+            self._forget(replica)
+
+    def _forget(self, replica: Hashable) -> None:
         for name in [n for n, holders in self._holders.items() if replica in holders]:
             del self._holders[name][replica]
             if not self._holders[name]:

@@ -11,16 +11,22 @@ already caches from its probes and replies (none are probed for this), plus the 
 chose in the last second for calls not sent yet: Serve counts a call only once it is sent, after
 every call routed in the same instant has been chosen, so micro-batches pushed together would all
 see the same counts and pile onto one replica. An abort call for requests of a micro-batch
-(`Decoder.abort`) goes to the replica that micro-batch was sent to."""
+(`Decoder.abort`) goes to the replica that micro-batch was sent to.
+
+A micro-batch goes to one replica, so the batcher, in the same process, asks which
+replica each queued prompt would be sent to alone, and keeps prompts held by different replicas in
+different micro-batches (actors.batcher's `split_by_holder`), through deployments.prefix_holders."""
 from __future__ import annotations
 
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from deployments import prefix_holders
 from deployments.prefix_index import PrefixIndex
 
 UNSENT_TTL_S = 1.0  # a choice not followed by a send within this long was dropped (Serve backed off)
@@ -83,6 +89,14 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.routed = {"preferred": 0, "balanced": 0}  # what choose_replicas did, for tests and logs
         self.unsent: dict[ReplicaID, list[float]] = {}  # when each replica was chosen for a call not sent yet
         self.holders: OrderedDict[str, ReplicaID] = OrderedDict()  # micro-batch id -> the replica sent it
+        prefix_holders.register(self._deployment_id.app_name, self._deployment_id.name, self)
+
+    def holder_of(self, prompt_ids: Sequence[int]) -> ReplicaID | None:
+        """The replica a micro-batch of this prompt alone would be preferred on (the rule of
+        `choose_replicas`, business aside), or None when no replica holds enough of it."""
+        match = self.index.match(prompt_ids)
+        enough = match.whole or match.tokens >= max(self.min_shared_tokens, self.min_shared_share * len(prompt_ids))
+        return match.replicas[0] if match.replicas and enough else None
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

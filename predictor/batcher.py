@@ -13,6 +13,7 @@ import numbers
 import uuid
 from collections import Counter, deque
 from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -97,7 +98,11 @@ class Batcher:
       4. ties go to the bin whose oldest request came first.
     Packing the bin: by priority, then aged requests (oldest first), then queue order, first fit
     under the token budget and max_batch_size; the first request always goes, even alone over the
-    budget. Failed batches and requests missing from a report return to the front of their queue.
+    budget. Given `holder_of` (a prompt -> the decoder replica holding its start's KV, or None), a
+    micro-batch holds prompts of one holder, besides prompts no replica holds: the first it takes
+    with a holder decides, and prompts of other holders wait for a micro-batch of their own, since a
+    micro-batch runs on one replica and the others would prefill there what their holder has cached.
+    Failed batches and requests missing from a report return to the front of their queue.
     Priority is strict, as vLLM's priority scheduling is: a lower one waits while a higher one
     waits (a batch job behind chats however long it has queued).
     """
@@ -116,7 +121,7 @@ class Batcher:
         self._batch_sizes: Counter[int] = Counter()
         self._counts = Counter(dict.fromkeys(("finished", "requeues", "requeued_tokens", "recompute_tokens",
             "default_bin_uses", "clamped_predictions", "failed_batches", "missing_results", "ignored_results",
-            "cancelled"), 0))
+            "cancelled", "holder_splits"), 0))
 
     # ---- requests in ----------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, now: float) -> None:
@@ -138,10 +143,12 @@ class Batcher:
         return self.bins.bin_of(int(predicted))
 
     # ---- batches out ----------------------------------------------------------------------------
-    def next_batch(self, now: float, token_budget: int | None = None, max_requests: int | None = None) -> MicroBatch | None:
+    def next_batch(self, now: float, token_budget: int | None = None, max_requests: int | None = None,
+                   holder_of: Callable[[Sequence[int]], Hashable | None] | None = None) -> MicroBatch | None:
         """The next micro-batch (see the class docstring for the policy), or None if nothing waits.
         `token_budget` overrides the configured budget for this batch (a replica's free KV);
-        `max_requests` caps its size below max_batch_size (the decoders' free sequence slots)."""
+        `max_requests` caps its size below max_batch_size (the decoders' free sequence slots);
+        `holder_of` keeps prompts held by different decoder replicas apart."""
         budget = self.config.token_budget if token_budget is None else token_budget
         if budget < 1:
             raise ValueError(f"token_budget: must be at least 1, got {budget}")
@@ -151,7 +158,7 @@ class Batcher:
         if bin is None:
             return None
         limit = self.config.max_batch_size if max_requests is None else min(max_requests, self.config.max_batch_size)
-        taken = self._pack(self._queues[bin], now, budget, limit)
+        taken = self._pack(self._queues[bin], now, budget, limit, holder_of)
         chosen = {id(e) for e in taken}
         self._queues[bin] = deque(e for e in self._queues[bin] if id(e) not in chosen)
         batch = MicroBatch(
@@ -188,19 +195,25 @@ class Batcher:
             return min(1.0, by_count)
         return min(1.0, max(by_count, sum(self._cost(e) for e in queue) / budget))
 
-    def _pack(self, queue: deque[_Entry], now: float, budget: int, limit: int) -> list[_Entry]:
+    def _pack(self, queue: deque[_Entry], now: float, budget: int, limit: int,
+              holder_of: Callable[[Sequence[int]], Hashable | None] | None) -> list[_Entry]:
         def order(indexed: tuple[int, _Entry]):
             index, e = indexed
             aged = now - e.submitted_at >= self.config.aging_s
             return (-e.request.priority, not aged, e.submitted_at if aged else 0.0, index)
 
-        taken, used = [], 0
+        taken, used, group = [], 0, None
         for _, entry in sorted(enumerate(queue), key=order):
             if len(taken) == limit:
                 break
             cost = self._cost(entry)
             if self.config.variable_batch_size and taken and used + cost > budget:
                 continue
+            holder = holder_of(entry.request.prompt_ids) if holder_of is not None else None
+            if holder is not None and group is not None and holder != group:
+                self._counts["holder_splits"] += 1
+                continue
+            group = holder if holder is not None else group
             taken.append(entry)
             used += cost
         return taken
@@ -354,8 +367,9 @@ class Batcher:
     def stats(self) -> dict:
         """Counters for metrics: queue depth per bin, batches and their sizes, re-queues, recompute
         cost (requeued_tokens kept from cut answers; recompute_tokens prefilled again on resume),
-        default-bin uses and clamped predictions, failed batches, missing and ignored results, and
-        requests cancelled by their callers."""
+        default-bin uses and clamped predictions, failed batches, missing and ignored results,
+        requests cancelled by their callers, and holder_splits: how often a request was left for a
+        later micro-batch because another replica than the batch's holds its prompt."""
         batches = sum(self._batch_sizes.values())
         return {
             "queued_per_bin": [len(q) for q in self._queues],

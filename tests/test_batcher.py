@@ -329,3 +329,31 @@ def test_a_cancelled_request_leaves_its_queue_or_its_batch_and_is_never_requeued
     assert b.fail(batch.id) == 1 and ids_of(b.next_batch(now=1)) == ["b"]  # the failure re-queues b alone
     b.submit(req("a", predicted=10), now=2)  # the id is free again
     assert b.stats()["cancelled"] == 2 and b.stats()["ignored_results"] == 1
+
+
+def test_a_micro_batch_holds_the_prompts_of_one_holder_and_those_nobody_holds():
+    """Prompts cached on different decoder replicas go in different micro-batches, each to its holder;
+    a prompt no replica holds joins any. The first request still goes first, whatever its holder."""
+    b = batcher(token_budget=10**6)
+    holders = {1: None, 2: "a", 3: "b", 4: "a", 5: None, 6: "b"}
+    for i in holders:
+        b.submit(req(f"r{i}", predicted=10).model_copy(update={"prompt_ids": [i] * 8}), now=i)
+
+    def holder_of(prompt_ids):
+        return holders[prompt_ids[0]]
+
+    assert ids_of(b.next_batch(now=10, holder_of=holder_of)) == ["r1", "r2", "r4", "r5"]
+    assert b.stats()["holder_splits"] == 2
+    assert ids_of(b.next_batch(now=11, holder_of=holder_of)) == ["r3", "r6"]
+    b.submit(req("x", predicted=10).model_copy(update={"prompt_ids": [3] * 8}), now=12)
+    b.submit(req("y", predicted=10).model_copy(update={"prompt_ids": [2] * 8}), now=13)
+    assert ids_of(b.next_batch(now=14)) == ["x", "y"]  # without holder_of, one batch as before
+
+
+def test_keeping_holders_apart_does_not_reorder_priorities():
+    b = batcher(token_budget=10**6)
+    b.submit(req("low", predicted=10).model_copy(update={"prompt_ids": [1] * 8}), now=0)
+    b.submit(req("high", predicted=10, priority=3).model_copy(update={"prompt_ids": [2] * 8}), now=1)
+    holder_of = {1: "a", 2: "b"}.get
+    assert ids_of(b.next_batch(now=2, holder_of=lambda p: holder_of(p[0]))) == ["high"]
+    assert ids_of(b.next_batch(now=3, holder_of=lambda p: holder_of(p[0]))) == ["low"]

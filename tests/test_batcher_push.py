@@ -520,7 +520,38 @@ def test_a_request_whose_caller_went_away_leaves_its_batch_mates_to_finish(abort
     assert "cancelled" not in log and len(tokens) == 20 and result["finish_reason"] == "stop"
     if abort_on_decoder:
         assert [call["abort"] for call in log["abort_calls"]] == [["goes"]] and log["steps"]["goes"] < 15
+        assert stats["decoder_aborts"] == 1
     else:
         assert "abort_calls" not in log and log["steps"]["goes"] == 30  # decoded on to its end
     assert stats["cancelled"] == 1 and stats["finished"] == 1 and stats["pending"] == stats["in_flight"] == 0
     assert progress == {}
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_the_push_loop_sends_prompts_of_different_holders_in_different_micro_batches(split):
+    """With split_by_holder, requests queued together whose prompts two replicas hold leave as two
+    micro-batches (each then routed to its holder); without it, as one."""
+    async def main():
+        decoder = GatedDecoder()
+        holder = {5: "a", 6: "b", 7: "a"}
+        actor = BatcherActor({"bins": {"edges": [64]}}, send_batch=decoder, dispatch={"split_by_holder": split},
+                             holder_of=lambda prompt_ids: holder.get(prompt_ids[0]))
+        first = asyncio.create_task(actor.submit(request("first")))  # prompt [5, 6]: held by "a"
+        while not decoder.sizes:
+            await asyncio.sleep(0)
+        queued = []
+        for rid, token in (("b1", 6), ("a1", 7), ("b2", 6)):
+            queued.append(asyncio.create_task(actor.submit({**request(rid), "prompt_ids": [token, 1]})))
+            await asyncio.sleep(0)
+        for _ in range(50):
+            await asyncio.sleep(0)
+        decoder.release.set()
+        answers = await asyncio.gather(first, *queued)
+        return decoder.sizes, answers, await actor.stats()
+
+    sizes, answers, stats = run(main())
+    assert len(answers) == 4 and all(a["token_ids"] == [1] for a in answers)
+    if split:
+        assert sizes == [1, 2, 1] and stats["holder_splits"] >= 1
+    else:
+        assert sizes == [1, 3] and stats["holder_splits"] == 0

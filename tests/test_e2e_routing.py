@@ -4,47 +4,25 @@ Decoder's prefix-affinity router), which the answer's usage shows as cached prom
 from __future__ import annotations
 
 import concurrent.futures
-import socket
 
 import pytest
+from tests.e2e_app import serve_plato
 
 pytestmark = pytest.mark.e2e
 CONVERSATIONS = 6  # sent at random, each would find its replica with chance 1/2: 1/64 for all six
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def client():
-    ray = pytest.importorskip("ray")
     openai = pytest.importorskip("openai")
-    from ray import serve
-
-    import deployments.app as app
-
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"engine": {"max_batch_size": 8, "max_model_len": 1024, "num_threads": 1},
             "limits": {"default_max_tokens": 24, "max_tokens_limit": 64}, "predictor": None,
             "batcher": {"token_budget": 1}}  # a micro-batch per request: each turn routed on its own
-    original = app.Decoder
     # the Decoder's own router with its defaults: the six first turns, routed in one instant, must
     # spread over both replicas (five of six went to one in a run before the router counted its choices
     # not yet sent), or their next turns find their holder more than 4 busier and are balanced away
-    app.Decoder = original.options(num_replicas=2)
-    try:
-        serve.run(app.build_app(args), name="plato", route_prefix="/", blocking=False)
-    finally:
-        app.Decoder = original
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
-    serve.shutdown()
-    ray.shutdown()
+    with serve_plato(args, decoder_replicas=2) as base_url:
+        yield openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=120, max_retries=0)
 
 
 def _two_turns(client, i: int) -> tuple[int, int, int]:

@@ -1,39 +1,19 @@
 """End to end: real Ray, real Serve, the real embedded SmolLM2 model, over HTTP."""
 from __future__ import annotations
 
-import socket
-
 import httpx
 import pytest
+from tests.e2e_app import serve_plato
 
 pytestmark = pytest.mark.e2e
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    from deployments.app import build_app
-
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {"engine": {"max_batch_size": 8, "max_model_len": 1024, "num_threads": 2},
             "limits": {"default_max_tokens": 48, "max_tokens_limit": 256}}
-    serve.run(build_app(args), name="plato", route_prefix="/", blocking=False)
-    base = f"http://127.0.0.1:{port}"
-    with httpx.Client(base_url=base, timeout=300) as client:
+    with serve_plato(args) as base_url, httpx.Client(base_url=base_url, timeout=300) as client:
         yield client
-    serve.shutdown()
-    ray.shutdown()
 
 
 def _ask(client, content: str, **extra):

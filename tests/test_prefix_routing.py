@@ -11,6 +11,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Requ
 from ray.serve.request_router import PendingRequest, ReplicaID
 
 from deployments.prefix_index import PrefixIndex, block_names
+from deployments.prefix_holders import holder_lookup
 from deployments.prefix_router import PrefixAffinityRouter, batch_prompts
 
 SYSTEM = list(range(100, 164))  # 64 tokens every prompt below starts with
@@ -191,6 +192,65 @@ def test_an_abort_goes_to_the_replica_that_was_sent_its_micro_batch():
     assert len(unknown) == 1 and len(unknown[0]) == 2  # no replica runs it: anywhere, where it finds nothing
     router.on_replica_actor_died(b.replica_id)
     assert router.holders == {} and len(_choose(router, [a, c], abort)[0]) == 2
+
+
+def test_the_holder_of_a_prompt_is_the_replica_it_would_be_preferred_on_and_the_batcher_can_ask():
+    """What the batcher asks to keep prompts of different holders apart: the same rule as routing a
+    micro-batch of that prompt alone, through the router Serve built in this process."""
+    ask = holder_lookup("plato", "Decoder")
+    router, (a, b) = _router(min_shared_tokens=64), _replicas("a", "b")
+    router.on_request_routed(_pending(SYSTEM + [1] * 32), a.replica_id, None)
+    router.on_request_routed(_pending(SYSTEM[:24] + [2] * 7), b.replica_id, None)
+    assert router.holder_of(SYSTEM + [1] * 32 + [3] * 40) == a.replica_id  # goes on from a's whole prompt
+    assert router.holder_of(SYSTEM + [2] * 60) == a.replica_id  # 64 of 124 shared
+    assert router.holder_of(SYSTEM + [2] * 80) is None  # 64 of 144: under half
+    assert router.holder_of(SYSTEM[:24] + [2] * 7 + [4] * 90) == b.replica_id  # a short turn's next
+    assert router.holder_of([9] * 50) is None
+    assert ask(SYSTEM + [1] * 32) == a.replica_id
+    assert holder_lookup("plato", "Planner")(SYSTEM + [1] * 32) is None  # no prefix router for it here
+    router.on_replica_actor_died(a.replica_id)
+    assert ask(SYSTEM + [1] * 32) is None
+
+
+SHIPPED_ROUTER_CHECK = """
+import pickle, sys
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+from ray.serve.request_router import ReplicaID
+shipped = sys.stdin.buffer.read()
+router_class = pickle.loads(shipped)
+assert router_class.__module__ not in sys.modules or sys.modules[router_class.__module__].__dict__ \
+    is not router_class.holder_of.__globals__  # a copy of the module's globals, as Serve makes it
+deployment = DeploymentID(name="Decoder", app_name="plato")
+router = router_class(deployment_id=deployment, handle_source=DeploymentHandleSource.REPLICA,
+                      use_replica_queue_len_cache=True)
+router.initialize_state()
+prompt = list(range(100, 164))
+router.index.record(prompt, "a")
+assert pickle.loads(shipped) is router_class  # unpickled again, as Serve does: the class's functions are new
+from deployments.prefix_holders import holder_lookup
+print(holder_lookup("plato", "Decoder")(prompt + [1, 2]))
+"""
+
+
+def test_a_router_shipped_by_value_as_serve_ships_it_still_answers_the_batchers_lookup():
+    """Serve pickles the router's module by value, so in the process that runs it the router's module
+    globals are a copy: the registry the batcher reads must live in a module imported by name. And
+    it unpickles the class more than once, each time replacing its functions."""
+    import subprocess
+    import sys
+
+    from ray import cloudpickle
+
+    module = sys.modules[PrefixAffinityRouter.__module__]
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        shipped = cloudpickle.dumps(PrefixAffinityRouter)
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+    run = subprocess.run([sys.executable, "-c", SHIPPED_ROUTER_CHECK], input=shipped, capture_output=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    assert run.stdout.decode().strip() == "a"
 
 
 def test_a_dead_replica_is_forgotten():

@@ -1,0 +1,123 @@
+"""End to end, with both Decoder replicas busy (real Ray, real Serve, the embedded model, two Decoder
+replicas, at most two micro-batches out): requests that queue in the batcher leave together in one
+micro-batch, so this is where the batcher must keep apart prompts that different replicas hold, and
+where one client of a shared micro-batch can go away while the other still waits."""
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from tests.e2e_app import serve_plato
+
+pytestmark = pytest.mark.e2e
+MODEL = "embedded:smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def server():
+    args = {"engine": {"max_batch_size": 8, "max_model_len": 1024, "num_threads": 1},
+            "limits": {"default_max_tokens": 24, "max_tokens_limit": 64}, "predictor": None,
+            "dispatch": {"max_batches_in_flight": 2}}  # two long answers out, and whatever comes next queues
+    with serve_plato(args, decoder_replicas=2) as base_url, httpx.Client(base_url=base_url, timeout=120) as client:
+        yield client
+
+
+class Answer(threading.Thread):
+    """One streamed chat answer read in a thread: `begun` is set at its first piece of text; with
+    `hang_up`, the client disconnects right then."""
+
+    def __init__(self, client: httpx.Client, messages: list[dict], max_tokens: int, hang_up: bool = False):
+        super().__init__(daemon=True)
+        self.client, self.messages, self.max_tokens, self.hang_up = client, messages, max_tokens, hang_up
+        self.begun, self.text, self.usage, self.error = threading.Event(), "", None, None
+
+    def run(self):
+        import json
+
+        body = {"model": MODEL, "messages": self.messages, "max_tokens": self.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200, response.read()
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    piece = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+                    if piece:
+                        self.text += piece
+                        self.begun.set()
+                        if self.hang_up:
+                            return
+                    self.usage = chunk.get("usage") or self.usage
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.begun.set()
+
+    def started(self) -> "Answer":
+        self.start()
+        assert self.begun.wait(120) and self.error is None, self.error
+        return self
+
+    def done(self) -> "Answer":
+        self.join(180)
+        assert not self.is_alive() and self.error is None, self.error
+        return self
+
+
+def _batcher_stats() -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("Batcher", app_name="plato").stats.remote().result()
+
+
+def _blockers(client, tag: str) -> list[Answer]:
+    """Two long answers, one a micro-batch each: both micro-batches allowed out are taken until they end."""
+    return [Answer(client, [{"role": "user", "content": f"Tell me a story about {tag} number {i}."}], 64).started()
+            for i in (1, 2)]
+
+
+def test_queued_turns_held_by_different_replicas_leave_in_different_micro_batches(server):
+    """Two conversations on different replicas; their next turns queue together behind two long answers
+    and would leave in one micro-batch, which runs on one replica: one turn would prefill its history
+    there. The batcher sends them apart, and each finds its earlier turn cached."""
+    talks = [[{"role": "user", "content": "Name three colours of the rainbow."}],
+             [{"role": "user", "content": "Name two planets of the solar system."}]]
+    first = Answer(server, talks[0], 64).started()  # running on one replica: the other is less busy
+    second = Answer(server, talks[1], 24).started()
+    turns = [first.done(), second.done()]
+    for talk, turn in zip(talks, turns):
+        talk += [{"role": "assistant", "content": turn.text}, {"role": "user", "content": "Which one do you like?"}]
+    splits = _batcher_stats()["holder_splits"]
+    blockers = _blockers(server, "a dragon")
+    follow_ups = [Answer(server, talk, 8) for talk in talks]
+    for answer in follow_ups:
+        answer.start()
+    for answer in [*blockers, *follow_ups]:
+        answer.done()
+    assert _batcher_stats()["holder_splits"] > splits  # they were queued together, and kept apart
+    for turn, answer in zip(turns, follow_ups):
+        assert answer.usage["prompt_tokens_details"]["cached_tokens"] >= turn.usage["prompt_tokens"], (
+            turn.usage, answer.usage)
+
+
+def test_a_client_that_leaves_a_shared_micro_batch_is_aborted_on_its_replica_while_the_other_finishes(server):
+    """Two requests queued behind two long answers leave in one micro-batch; one client disconnects
+    after its first piece of text. The batcher asks the Decoder to abort that request alone, the
+    router sends the call to the replica running the micro-batch (which says it aborted one), and
+    the other answer runs to its 64 tokens."""
+    before = _batcher_stats()
+    blockers = _blockers(server, "a knight")
+    leaves = Answer(server, [{"role": "user", "content": "Write a poem about the sea."}], 64, hang_up=True)
+    stays = Answer(server, [{"role": "user", "content": "Write a poem about the hills."}], 64)
+    leaves.start()
+    stays.start()
+    for answer in [*blockers, leaves, stays]:
+        answer.done()
+    assert leaves.text and stays.usage["completion_tokens"] == 64
+    after = _batcher_stats()
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["decoder_aborts"] == before["decoder_aborts"] + 1
+    assert after["in_flight"] == after["pending"] == 0
