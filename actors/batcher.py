@@ -356,11 +356,14 @@ class BatcherActor:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while True:
+            splits = self.core.holder_splits
             batch = self.core.next_batch(time.monotonic(), budget_override, max_requests, holder_of)
             left = deadline - loop.time()
             if batch is not None and self.observer is not None:
                 self.observer.batch(len(batch.requests), batch.tokens)
                 self.observer.queues(self.core.stats()["queued_per_bin"])
+                if self.core.holder_splits > splits:
+                    self.observer.split(self.core.holder_splits - splits)
             if batch is not None or left <= 0:
                 return None if batch is None else batch.model_dump(mode="json")
             self._queued.clear()

@@ -352,6 +352,11 @@ class Batcher:
         return len(self._in_flight.get(batch_id, ()))
 
     # ---- state ----------------------------------------------------------------------------------
+    @property
+    def holder_splits(self) -> int:
+        """How often a request was left for a later micro-batch because another replica holds its prompt."""
+        return self._counts["holder_splits"]
+
     def pending(self) -> int:
         """Requests waiting in the queues."""
         return sum(len(q) for q in self._queues)

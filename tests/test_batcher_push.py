@@ -531,11 +531,22 @@ def test_a_request_whose_caller_went_away_leaves_its_batch_mates_to_finish(abort
 def test_the_push_loop_sends_prompts_of_different_holders_in_different_micro_batches(split):
     """With split_by_holder, requests queued together whose prompts two replicas hold leave as two
     micro-batches (each then routed to its holder); without it, as one."""
+    class Observer:  # what the metrics hear: requests held back for their holder
+        held_apart = 0
+
+        def split(self, requests):
+            self.held_apart += requests
+
+        def __getattr__(self, name):  # batches, queues, lengths: not looked at here
+            return lambda *args: None
+
+    observer = Observer()
+
     async def main():
         decoder = GatedDecoder()
         holder = {5: "a", 6: "b", 7: "a"}
         actor = BatcherActor({"bins": {"edges": [64]}}, send_batch=decoder, dispatch={"split_by_holder": split},
-                             holder_of=lambda prompt_ids: holder.get(prompt_ids[0]))
+                             holder_of=lambda prompt_ids: holder.get(prompt_ids[0]), observer=observer)
         first = asyncio.create_task(actor.submit(request("first")))  # prompt [5, 6]: held by "a"
         while not decoder.sizes:
             await asyncio.sleep(0)
@@ -552,6 +563,6 @@ def test_the_push_loop_sends_prompts_of_different_holders_in_different_micro_bat
     sizes, answers, stats = run(main())
     assert len(answers) == 4 and all(a["token_ids"] == [1] for a in answers)
     if split:
-        assert sizes == [1, 2, 1] and stats["holder_splits"] >= 1
+        assert sizes == [1, 2, 1] and stats["holder_splits"] >= 1 and observer.held_apart == stats["holder_splits"]
     else:
-        assert sizes == [1, 3] and stats["holder_splits"] == 0
+        assert sizes == [1, 3] and stats["holder_splits"] == observer.held_apart == 0
