@@ -65,7 +65,8 @@ class DispatchConfig(BaseModel):
     split_by_holder: bool = Field(
         True, description="Keep prompts that different decoder replicas hold cached (a conversation's earlier "
         "turns, as the Decoder's prefix router saw them sent) in different micro-batches, so each goes to its "
-        "holder; a micro-batch runs on one replica. No effect without the prefix router.")
+        "holder; a micro-batch runs on one replica. Only while more than one micro-batch may still go out: "
+        "else they would wait for one to end. No effect without the prefix router.")
 
 
 class RequestFailed(RuntimeError):
@@ -267,7 +268,7 @@ class BatcherActor:
                 await self._room.wait()
             try:
                 batch = await self.next_batch(wait_s=1.0, max_requests=self._dispatch_room(),
-                                              holder_of=self._holder_of)
+                                              holder_of=self._holder_of if self._batch_room() > 1 else None)
             except Exception:  # never let one bad batch stop all dispatch
                 log.exception("batcher: forming a micro-batch failed")
                 batch = None
@@ -281,11 +282,18 @@ class BatcherActor:
             running.add(task)
             task.add_done_callback(running.discard)
 
+    def _batch_room(self) -> int:
+        """Micro-batches that may still go out now. Prompts kept apart for their holder leave in a
+        micro-batch of their own right after, if one more may go; with only this one left, they would
+        wait for a micro-batch to end, which costs more than prefilling what their holder had cached
+        (measured: `python -m bench routing --busy`), so then they ride along."""
+        return self.dispatch.max_batches_in_flight - self._out_batches
+
     def _dispatch_room(self) -> int:
         """How many more requests may go to the decoders now (0: wait until a request or batch ends):
         their free sequence slots, or with every slot taken, as many requests of a higher priority than
         some in flight as there are lower ones in flight for the decoders to preempt."""
-        if self._out_batches >= self.dispatch.max_batches_in_flight:
+        if self._batch_room() <= 0:
             return 0
         room = self.dispatch.max_requests_in_flight - len(self._out_priority)
         if room > 0 or not self.dispatch.preempt or not self._out_priority:
@@ -417,6 +425,13 @@ class BatcherActor:
 
     async def stats(self) -> dict:
         return {**self.core.stats(), **self.counts}
+
+    async def holder(self, prompt_ids: list[int]) -> str | None:
+        """Which decoder replica (its id, as text) holds this prompt's start as far as the micro-batches
+        are kept apart by it (DispatchConfig.split_by_holder), or None: for looking into prefix-affinity
+        routing from outside."""
+        found = self._holder_of(prompt_ids) if self._holder_of is not None else None
+        return None if found is None else str(found)
 
     def _wake_if_pending(self) -> None:
         if self.core.pending():

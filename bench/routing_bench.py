@@ -12,11 +12,11 @@ the turn before's whole prompt cached (the rest landed on a replica without it),
 token, and how many conversations got the same answers under both. `ttft_gain` = the later turns' mean time to first
 token under power of two choices over under prefix affinity. Writes bench/results/routing.json.
 
-`--busy N` lets at most N micro-batches out to the decoders at once, so turns queue in the batcher and
-leave together, several to a micro-batch, which runs on one replica: a third side, `affinity-unsplit`,
-turns off the batcher's keeping apart of prompts that different replicas hold (`split_by_holder`), and
-`split_gain` is its later turns' mean time to first token over `affinity`'s. Writes
-bench/results/routing_busy.json."""
+`--busy N` lets at most N requests out to the decoders at once, so turns queue in the batcher, and
+when several slots free at once, queued turns leave together, several to a micro-batch, which runs on
+one replica: a third side, `affinity-unsplit`, turns off the batcher's keeping apart of prompts that
+different replicas hold (`split_by_holder`), and `split_gain` is its later turns' mean time to first
+token over `affinity`'s. Writes bench/results/routing_busy.json."""
 from __future__ import annotations
 
 import argparse
@@ -80,14 +80,18 @@ async def _conversation(session, talk: list[str], max_tokens: int) -> list[dict]
 
 
 def _side(side: str, warmup: list[str], talks: list[list[str]], max_tokens: int, busy: int | None = None
-          ) -> list[list[dict]]:
+          ) -> tuple[list[list[dict]], dict]:
+    """Each conversation's turns, and the batcher's micro-batches: how many, their mean size, and how
+    often a request was kept out of one for its holder."""
+    from ray import serve
+
     from bench.serve_bench import app_args, http_session, serve_app
 
     args = app_args(predictor=False)
     args["engine"]["num_threads"] = 1  # a core for each of the two replicas
     args["dispatch"]["max_requests_in_flight"] = args["dispatch"]["max_batches_in_flight"] = 32 * REPLICAS
     if busy is not None:
-        args["dispatch"]["max_batches_in_flight"] = busy
+        args["dispatch"]["max_requests_in_flight"] = busy
     args["dispatch"]["split_by_holder"] = side != "affinity-unsplit"
 
     async def talk_all(base_url: str) -> list[list[dict]]:
@@ -96,7 +100,9 @@ def _side(side: str, warmup: list[str], talks: list[list[str]], max_tokens: int,
             return list(await asyncio.gather(*(_conversation(session, t, max_tokens) for t in talks)))
 
     with serve_app(args, deployments=decoder_overrides(side)) as base_url:
-        return asyncio.run(talk_all(base_url))
+        talks_done = asyncio.run(talk_all(base_url))
+        stats = serve.get_deployment_handle("Batcher", app_name="plato").stats.remote().result()
+    return talks_done, {key: stats[key] for key in ("batches", "mean_batch_size", "holder_splits")}
 
 
 def summarize(runs: dict[str, list[list[list[dict]]]]) -> dict:
@@ -128,7 +134,7 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1, help="each side this many times, in turns")
     parser.add_argument("--busy", type=int, default=None, metavar="N",
-                        help="at most N micro-batches out at once; adds the side affinity-unsplit (see above)")
+                        help="at most N requests out at once; adds the side affinity-unsplit (see above)")
     args = parser.parse_args(argv)
     if args.busy is not None and args.busy < 1:
         parser.error(f"--busy must be at least 1, got {args.busy}")
@@ -138,9 +144,12 @@ def run(argv: list[str]) -> dict:
 
     talks = conversations(count + 1, turns)
     runs: dict[str, list] = {side: [] for side in sides_run}
+    batchers: dict[str, list] = {side: [] for side in sides_run}
     for i in range(repeats):
         for side in sides_run if i % 2 == 0 else sides_run[::-1]:
-            runs[side].append(_side(side, talks[0][:2], talks[1:], max_tokens, args.busy))
+            done, batcher = _side(side, talks[0][:2], talks[1:], max_tokens, args.busy)
+            runs[side].append(done)
+            batchers[side].append(batcher)
     sides = summarize(runs)
     texts = [[[t["text"] for t in talk] for r in runs[side] for talk in r] for side in sides_run]
     same = sum(all(talk == per_side[0] for talk in per_side[1:]) for per_side in zip(*texts))
@@ -149,7 +158,7 @@ def run(argv: list[str]) -> dict:
         "conversations": count, "turns": turns, "max_tokens": max_tokens, "repeats": repeats, "replicas": REPLICAS,
         "busy": args.busy, "sides": sides, "ttft_gain": round(ttft["balanced"] / ttft["affinity"], 2),
         **({"split_gain": round(ttft["affinity-unsplit"] / ttft["affinity"], 2)} if args.busy is not None else {}),
-        "same_answers": same, "runs": runs, "machine": machine(),
+        "same_answers": same, "batchers": batchers, "runs": runs, "machine": machine(),
     }
     print(table(["side", "found the turn before", "later turns cached", "later turns TTFT s", *(f"turn {t + 1} TTFT s" for t in range(turns))],
                 [[side, sides[side]["later_turns_found_earlier"], sides[side]["later_turns_cached_share"], sides[side]["later_turns_ttft_s"],
@@ -157,5 +166,9 @@ def run(argv: list[str]) -> dict:
     print(f"ttft_gain {payload['ttft_gain']} (later turns, power of two choices over prefix affinity); "
           + (f"split_gain {payload['split_gain']} (affinity-unsplit over affinity); " if args.busy is not None else "")
           + f"same answers in {same} of {count * repeats} conversations")
+    for side in sides_run:
+        print(f"{side}: micro-batches {[b['batches'] for b in batchers[side]]}, mean size "
+              f"{[round(b['mean_batch_size'], 2) for b in batchers[side]]}, held apart for their holder "
+              f"{[b['holder_splits'] for b in batchers[side]]}")
     print(f"wrote {write_result('routing' if args.busy is None else 'routing_busy', payload)}")
     return payload

@@ -527,10 +527,11 @@ def test_a_request_whose_caller_went_away_leaves_its_batch_mates_to_finish(abort
     assert progress == {}
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_the_push_loop_sends_prompts_of_different_holders_in_different_micro_batches(split):
+@pytest.mark.parametrize("split, max_batches, kept_apart", [(True, 32, True), (False, 32, False), (True, 2, False)])
+def test_the_push_loop_sends_prompts_of_different_holders_in_different_micro_batches(split, max_batches, kept_apart):
     """With split_by_holder, requests queued together whose prompts two replicas hold leave as two
-    micro-batches (each then routed to its holder); without it, as one."""
+    micro-batches (each then routed to its holder); without it, as one; and as one when only one more
+    micro-batch may go out, since the held-back one would wait for a micro-batch to end."""
     class Observer:  # what the metrics hear: requests held back for their holder
         held_apart = 0
 
@@ -545,7 +546,8 @@ def test_the_push_loop_sends_prompts_of_different_holders_in_different_micro_bat
     async def main():
         decoder = GatedDecoder()
         holder = {5: "a", 6: "b", 7: "a"}
-        actor = BatcherActor({"bins": {"edges": [64]}}, send_batch=decoder, dispatch={"split_by_holder": split},
+        dispatch = {"split_by_holder": split, "max_batches_in_flight": max_batches}
+        actor = BatcherActor({"bins": {"edges": [64]}}, send_batch=decoder, dispatch=dispatch,
                              holder_of=lambda prompt_ids: holder.get(prompt_ids[0]), observer=observer)
         first = asyncio.create_task(actor.submit(request("first")))  # prompt [5, 6]: held by "a"
         while not decoder.sizes:
@@ -562,7 +564,7 @@ def test_the_push_loop_sends_prompts_of_different_holders_in_different_micro_bat
 
     sizes, answers, stats = run(main())
     assert len(answers) == 4 and all(a["token_ids"] == [1] for a in answers)
-    if split:
+    if kept_apart:
         assert sizes == [1, 2, 1] and stats["holder_splits"] >= 1 and observer.held_apart == stats["holder_splits"]
     else:
         assert sizes == [1, 3] and stats["holder_splits"] == observer.held_apart == 0

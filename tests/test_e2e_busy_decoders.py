@@ -1,7 +1,7 @@
-"""End to end, with both Decoder replicas busy (real Ray, real Serve, the embedded model, two Decoder
-replicas, at most two micro-batches out): requests that queue in the batcher leave together in one
-micro-batch, so this is where the batcher must keep apart prompts that different replicas hold, and
-where one client of a shared micro-batch can go away while the other still waits."""
+"""End to end with two Decoder replicas (real Ray, real Serve, the embedded model): the batcher, in its
+own replica, knows which replica holds each conversation (the Decoder's router it asks travels to it
+by value, as Serve ships it); and, at most two micro-batches out at once, requests that queue behind
+them leave together in one micro-batch, where one client can go away while the other still waits."""
 from __future__ import annotations
 
 import threading
@@ -79,10 +79,13 @@ def _blockers(client, tag: str) -> list[Answer]:
             for i in (1, 2)]
 
 
-def test_queued_turns_held_by_different_replicas_leave_in_different_micro_batches(server):
-    """Two conversations on different replicas; their next turns queue together behind two long answers
-    and would leave in one micro-batch, which runs on one replica: one turn would prefill its history
-    there. The batcher sends them apart, and each finds its earlier turn cached."""
+def test_the_batcher_knows_which_replica_holds_each_conversation(server):
+    """Two conversations, one on each replica (the second starts while the first runs, so the router
+    balances it onto the other): asked from outside, the batcher names each next turn's holder, the
+    replica its turn before went to, as it does when it keeps queued turns apart
+    (tests/test_batcher_push.py); and each next turn, sent there, finds its turn before cached."""
+    from ray import serve
+
     talks = [[{"role": "user", "content": "Name three colours of the rainbow."}],
              [{"role": "user", "content": "Name two planets of the solar system."}]]
     first = Answer(server, talks[0], 64).started()  # running on one replica: the other is less busy
@@ -90,15 +93,16 @@ def test_queued_turns_held_by_different_replicas_leave_in_different_micro_batche
     turns = [first.done(), second.done()]
     for talk, turn in zip(talks, turns):
         talk += [{"role": "assistant", "content": turn.text}, {"role": "user", "content": "Which one do you like?"}]
-    splits = _batcher_stats()["holder_splits"]
-    blockers = _blockers(server, "a dragon")
-    follow_ups = [Answer(server, talk, 8) for talk in talks]
-    for answer in follow_ups:
-        answer.start()
-    for answer in [*blockers, *follow_ups]:
-        answer.done()
-    assert _batcher_stats()["holder_splits"] > splits  # they were queued together, and kept apart
-    for turn, answer in zip(turns, follow_ups):
+    batcher = serve.get_deployment_handle("Batcher", app_name="plato")
+    holders = []
+    for talk in talks:
+        tokens = server.post("/tokenize", json={"model": MODEL, "messages": talk, "add_generation_prompt": True})
+        assert tokens.status_code == 200, tokens.text
+        holders.append(batcher.holder.remote(tokens.json()["tokens"]).result())
+    assert None not in holders and holders[0] != holders[1], holders
+    assert batcher.holder.remote(tokens.json()["tokens"][:10]).result() is None  # too short a start to hold
+    for turn, talk in zip(turns, talks):
+        answer = Answer(server, talk, 8).started().done()
         assert answer.usage["prompt_tokens_details"]["cached_tokens"] >= turn.usage["prompt_tokens"], (
             turn.usage, answer.usage)
 
