@@ -31,7 +31,7 @@ SendBatch = Callable[[dict], AsyncIterator[dict]]
 Predict = Callable[[list[int], bool], Awaitable["int | dict"]]
 # aborts requests of a micro-batch on the decoder running it: {"batch_id": ..., "abort": [request ids]}
 AbortOnDecoder = Callable[[dict], Awaitable[int]]
-# prompt ids -> the decoder replica that holds their start's KV (deployments.prefix_router.holder_lookup)
+# prompt ids -> the decoder replica that holds their start's KV (deployments.prefix_holders.holder_lookup)
 HolderOf = Callable[[list[int]], Hashable | None]
 
 

@@ -1,7 +1,7 @@
-"""Which decoder replica holds a prompt, asked by the batcher of the Decoder's prefix router in the
-same process (deployments.prefix_router): Serve builds that router inside the handle, out of the
-batcher's reach, and ships its class by value (so the router's own module globals are a copy in the
-process that runs it). The router registers itself here, in a module imported by name."""
+"""How the batcher asks the Decoder's prefix router (deployments.prefix_router), in the same process,
+which decoder replica holds a prompt. Serve builds that router inside the handle, out of the
+batcher's reach, and ships its class by value, so the router's own module globals are a copy in the
+process that runs it: the router registers itself here, in a module imported by name."""
 from __future__ import annotations
 
 import threading

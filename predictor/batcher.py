@@ -12,8 +12,8 @@ import itertools
 import numbers
 import uuid
 from collections import Counter, deque
-from dataclasses import dataclass
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
