@@ -83,6 +83,13 @@ class _Entry:
     bin: int
     submitted_at: float  # first submit: aging counts across re-queues
     seq: int  # arrival order, to tell the oldest bin when submit times tie
+    holder: Hashable | None = None  # the decoder replica holding its prompt, as last asked (holder_of)
+    holder_asked_at: float | None = None
+
+
+# A queued prompt's holder is asked again after this long: it changes only when a prompt sharing its
+# start is sent elsewhere, and each asking walks the prompt's blocks, with every pack scanning the queue.
+HOLDER_TTL_S = 1.0
 
 
 class Batcher:
@@ -102,6 +109,8 @@ class Batcher:
     micro-batch holds prompts of one holder, besides prompts no replica holds: the first it takes
     with a holder decides, and prompts of other holders wait for a micro-batch of their own, since a
     micro-batch runs on one replica and the others would prefill there what their holder has cached.
+    A queued prompt's holder is asked at most once a second (HOLDER_TTL_S), and a pack asks at most
+    twice its size, so a long queue held by many replicas costs a pack bounded work.
     Failed batches and requests missing from a report return to the front of their queue.
     Priority is strict, as vLLM's priority scheduling is: a lower one waits while a higher one
     waits (a batch job behind chats however long it has queued).
@@ -202,14 +211,21 @@ class Batcher:
             aged = now - e.submitted_at >= self.config.aging_s
             return (-e.request.priority, not aged, e.submitted_at if aged else 0.0, index)
 
-        taken, used, group = [], 0, None
+        taken, used, group, asked = [], 0, None, 0
         for _, entry in sorted(enumerate(queue), key=order):
             if len(taken) == limit:
                 break
             cost = self._cost(entry)
             if self.config.variable_batch_size and taken and used + cost > budget:
                 continue
-            holder = holder_of(entry.request.prompt_ids) if holder_of is not None else None
+            holder = None
+            if holder_of is not None:
+                if entry.holder_asked_at is None or now - entry.holder_asked_at > HOLDER_TTL_S:
+                    if asked == 2 * limit and taken:  # bounded work a pack: the rest wait for the next
+                        break
+                    asked += 1
+                    entry.holder, entry.holder_asked_at = holder_of(entry.request.prompt_ids), now
+                holder = entry.holder
             if holder is not None and group is not None and holder != group:
                 self._counts["holder_splits"] += 1
                 continue

@@ -357,3 +357,23 @@ def test_keeping_holders_apart_does_not_reorder_priorities():
     holder_of = {1: "a", 2: "b"}.get
     assert ids_of(b.next_batch(now=2, holder_of=lambda p: holder_of(p[0]))) == ["high"]
     assert ids_of(b.next_batch(now=3, holder_of=lambda p: holder_of(p[0]))) == ["low"]
+
+
+def test_a_queued_prompts_holder_is_asked_once_a_second_and_a_pack_asks_a_bounded_number():
+    b = batcher(token_budget=10**6, max_batch_size=2)
+    b.submit(req("a0", predicted=10).model_copy(update={"prompt_ids": [1] * 8}), now=0)
+    for i in range(10):
+        b.submit(req(f"b{i}", predicted=10).model_copy(update={"prompt_ids": [2] * 8}), now=0)
+    b.submit(req("a1", predicted=10).model_copy(update={"prompt_ids": [1] * 8}), now=0)
+    asked = []
+
+    def holder_of(prompt_ids):
+        asked.append(prompt_ids[0])
+        return {1: "a", 2: "b"}[prompt_ids[0]]
+
+    assert ids_of(b.next_batch(now=1, holder_of=holder_of)) == ["a0"]  # a1 lies past 2 x 2 askings
+    assert asked == [1, 2, 2, 2]
+    assert ids_of(b.next_batch(now=1.5, holder_of=holder_of)) == ["b0", "b1"]
+    assert len(asked) == 4  # known from the pack before
+    assert ids_of(b.next_batch(now=3, holder_of=holder_of)) == ["b2", "b3"]
+    assert len(asked) == 6  # over a second later: b2 asked again, b3 for the first time
