@@ -16,7 +16,10 @@ token under power of two choices over under prefix affinity. Writes bench/result
 when several slots free at once, queued turns leave together, several to a micro-batch, which runs on
 one replica: a third side, `affinity-unsplit`, turns off the batcher's keeping apart of prompts that
 different replicas hold (`split_by_holder`), and `split_gain` is its later turns' mean time to first
-token over `affinity`'s. Writes bench/results/routing_busy.json."""
+token over `affinity`'s. Writes bench/results/routing_busy.json. `--lockstep` sends every
+conversation's next turn at once, in rounds, so turns arrive together and leave several to a
+micro-batch (with the same third side); it writes routing_lockstep.json (routing_busy_lockstep.json
+with `--busy`)."""
 from __future__ import annotations
 
 import argparse
@@ -70,6 +73,22 @@ async def _turn(session, messages: list[dict], max_tokens: int) -> dict:
             "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
+async def _in_lockstep(session, talks: list[list[str]], max_tokens: int) -> list[list[dict]]:
+    """The conversations' turns in rounds: every conversation's next turn is sent at once, when all
+    have their answer to the turn before (agents stepping together, a harness replaying chats)."""
+    histories: list[list[dict]] = [[] for _ in talks]
+    turns: list[list[dict]] = [[] for _ in talks]
+    for round_ in range(max(map(len, talks))):
+        going = [i for i, talk in enumerate(talks) if round_ < len(talk)]
+        for i in going:
+            histories[i].append({"role": "user", "content": talks[i][round_]})
+        answers = await asyncio.gather(*(_turn(session, histories[i], max_tokens) for i in going))
+        for i, answer in zip(going, answers):
+            turns[i].append(answer)
+            histories[i].append({"role": "assistant", "content": answer["text"]})
+    return turns
+
+
 async def _conversation(session, talk: list[str], max_tokens: int) -> list[dict]:
     messages, turns = [], []
     for user in talk:
@@ -79,8 +98,8 @@ async def _conversation(session, talk: list[str], max_tokens: int) -> list[dict]
     return turns
 
 
-def _side(side: str, warmup: list[str], talks: list[list[str]], max_tokens: int, busy: int | None = None
-          ) -> tuple[list[list[dict]], dict]:
+def _side(side: str, warmup: list[str], talks: list[list[str]], max_tokens: int, busy: int | None = None,
+          lockstep: bool = False) -> tuple[list[list[dict]], dict]:
     """Each conversation's turns, and the batcher's micro-batches: how many, their mean size, and how
     often a request was kept out of one for its holder."""
     from ray import serve
@@ -97,6 +116,8 @@ def _side(side: str, warmup: list[str], talks: list[list[str]], max_tokens: int,
     async def talk_all(base_url: str) -> list[list[dict]]:
         async with http_session(base_url) as session:
             await _conversation(session, warmup, max_tokens)
+            if lockstep:
+                return await _in_lockstep(session, talks, max_tokens)
             return list(await asyncio.gather(*(_conversation(session, t, max_tokens) for t in talks)))
 
     with serve_app(args, deployments=decoder_overrides(side)) as base_url:
@@ -135,10 +156,13 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--repeats", type=int, default=1, help="each side this many times, in turns")
     parser.add_argument("--busy", type=int, default=None, metavar="N",
                         help="at most N requests out at once; adds the side affinity-unsplit (see above)")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="send every conversation's next turn at once, in rounds; adds the side affinity-unsplit")
     args = parser.parse_args(argv)
     if args.busy is not None and args.busy < 1:
         parser.error(f"--busy must be at least 1, got {args.busy}")
-    sides_run = SIDES if args.busy is None else BUSY_SIDES
+    split_sides = args.busy is not None or args.lockstep
+    sides_run = BUSY_SIDES if split_sides else SIDES
     count, turns, max_tokens, repeats = ((4, 3, 24, 1) if args.quick else
                                          (args.conversations, args.turns, args.max_tokens, args.repeats))
 
@@ -147,7 +171,7 @@ def run(argv: list[str]) -> dict:
     batchers: dict[str, list] = {side: [] for side in sides_run}
     for i in range(repeats):
         for side in sides_run if i % 2 == 0 else sides_run[::-1]:
-            done, batcher = _side(side, talks[0][:2], talks[1:], max_tokens, args.busy)
+            done, batcher = _side(side, talks[0][:2], talks[1:], max_tokens, args.busy, args.lockstep)
             runs[side].append(done)
             batchers[side].append(batcher)
     sides = summarize(runs)
@@ -156,19 +180,21 @@ def run(argv: list[str]) -> dict:
     ttft = {side: sides[side]["later_turns_ttft_s"] for side in sides_run}
     payload = {
         "conversations": count, "turns": turns, "max_tokens": max_tokens, "repeats": repeats, "replicas": REPLICAS,
-        "busy": args.busy, "sides": sides, "ttft_gain": round(ttft["balanced"] / ttft["affinity"], 2),
-        **({"split_gain": round(ttft["affinity-unsplit"] / ttft["affinity"], 2)} if args.busy is not None else {}),
+        "busy": args.busy, "lockstep": args.lockstep, "sides": sides,
+        "ttft_gain": round(ttft["balanced"] / ttft["affinity"], 2),
+        **({"split_gain": round(ttft["affinity-unsplit"] / ttft["affinity"], 2)} if split_sides else {}),
         "same_answers": same, "batchers": batchers, "runs": runs, "machine": machine(),
     }
     print(table(["side", "found the turn before", "later turns cached", "later turns TTFT s", *(f"turn {t + 1} TTFT s" for t in range(turns))],
                 [[side, sides[side]["later_turns_found_earlier"], sides[side]["later_turns_cached_share"], sides[side]["later_turns_ttft_s"],
                   *sides[side]["ttft_s_per_turn"]] for side in sides_run]))
     print(f"ttft_gain {payload['ttft_gain']} (later turns, power of two choices over prefix affinity); "
-          + (f"split_gain {payload['split_gain']} (affinity-unsplit over affinity); " if args.busy is not None else "")
+          + (f"split_gain {payload['split_gain']} (affinity-unsplit over affinity); " if split_sides else "")
           + f"same answers in {same} of {count * repeats} conversations")
     for side in sides_run:
         print(f"{side}: micro-batches {[b['batches'] for b in batchers[side]]}, mean size "
               f"{[round(b['mean_batch_size'], 2) for b in batchers[side]]}, held apart for their holder "
               f"{[b['holder_splits'] for b in batchers[side]]}")
-    print(f"wrote {write_result('routing' if args.busy is None else 'routing_busy', payload)}")
+    name = "routing" + ("_busy" if args.busy is not None else "") + ("_lockstep" if args.lockstep else "")
+    print(f"wrote {write_result(name, payload)}")
     return payload

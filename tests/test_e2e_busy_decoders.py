@@ -4,6 +4,7 @@ by value, as Serve ships it); and, at most two micro-batches out at once, reques
 them leave together in one micro-batch, where one client can go away while the other still waits."""
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -33,8 +34,6 @@ class Answer(threading.Thread):
         self.begun, self.text, self.usage, self.error = threading.Event(), "", None, None
 
     def run(self):
-        import json
-
         body = {"model": MODEL, "messages": self.messages, "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         try:
