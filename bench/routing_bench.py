@@ -33,7 +33,7 @@ from bench.common import machine, table, write_result
 from bench.turns_bench import conversations
 
 SIDES = ("affinity", "balanced")
-BUSY_SIDES = ("affinity", "affinity-unsplit", "balanced")
+SPLIT_SIDES = ("affinity", "affinity-unsplit", "balanced")
 POWER_OF_TWO = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"  # Serve's default
 REPLICAS = 2
 
@@ -162,7 +162,7 @@ def run(argv: list[str]) -> dict:
     if args.busy is not None and args.busy < 1:
         parser.error(f"--busy must be at least 1, got {args.busy}")
     split_sides = args.busy is not None or args.lockstep
-    sides_run = BUSY_SIDES if split_sides else SIDES
+    sides_run = SPLIT_SIDES if split_sides else SIDES
     count, turns, max_tokens, repeats = ((4, 3, 24, 1) if args.quick else
                                          (args.conversations, args.turns, args.max_tokens, args.repeats))
 
