@@ -27,8 +27,8 @@ class BatcherMetrics:
         self.predicted = Counter("plato_predicted_length_total", "Answers finished with a prediction.")
         self.requeued = Counter("plato_batcher_requeued_total", "Cut-off answers re-queued to continue.")
         self.cancelled = Counter("plato_batcher_cancelled_total", "Requests whose caller went away before the answer.")
-        self.held_apart = Counter("plato_batcher_holder_splits_total", "Requests left for a later micro-batch "
-                                  "because another decoder replica than the batch's holds their prompt.")
+        self.held_apart = Counter("plato_batcher_holder_splits_total", "Times a queued request was left for a later "
+                                  "micro-batch because another decoder replica than the batch's holds its prompt.")
 
     def batch(self, size: int, tokens: int) -> None:
         self.batch_size.observe(size)
