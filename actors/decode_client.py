@@ -36,9 +36,6 @@ class HandleBatcher:
     def stream(self, request: dict) -> AsyncIterator[dict]:
         return self.handle.options(stream=True).stream.remote(request)
 
-    async def stats(self) -> dict:
-        return await self.handle.stats.remote()
-
 
 class BatcherClient:
     """`batcher` has `async submit(dict) -> dict` and `stream(dict)` yielding {"event"} / {"result"}:
@@ -63,15 +60,6 @@ class BatcherClient:
                 yield TokenEvent.model_validate(item["event"])
             else:
                 yield Result.model_validate(item["result"])
-
-    async def load(self) -> int | None:
-        """Requests queued in the batcher or decoding (AnswerConfig.auto_plan_max_load), or None for a
-        batcher without stats."""
-        stats = getattr(self.batcher, "stats", None)
-        if stats is None:
-            return None
-        counts = await stats()
-        return counts["pending"] + counts["in_flight"]
 
     def health(self) -> dict:
         return {"healthy": True, "note": "the decoders' health is checked by Serve on each replica"}

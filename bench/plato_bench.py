@@ -42,15 +42,15 @@ VARIANTS = {  # name: (mode, AnswerConfig overrides, EngineConfig overrides)
     "plato-no-copy-guard": ("plato", {"plan_copy_tokens": None}, {}),
     # a node admitted while the plan (or other nodes) decodes prefilled in a pass of its own
     "plato-no-mixed-batches": ("plato", {}, {"mixed_batches": False}),
-    # the router's mode for each question; and the same, but plain while more than 4 requests decode
+    # the router's mode for each question, answered as such (the report otherwise takes each question's
+    # latency from the variant of its routed mode)
     "auto": ("auto", {}, {}),
-    "auto-load-4": ("auto", {"auto_plan_max_load": 4}, {}),
 }
 # Each variant's process holds an engine of its own, about 2.6 GB here (the model, and a KV cache for
 # 32 sequences of 1,024 tokens): nine did not fit in this box's 24 GB (the page cache thrashed and
 # every variant slowed), so the default is eight and `--variants` names the others.
 DEFAULT_VARIANTS = [name for name in VARIANTS
-                    if name not in ("plato-no-copy-guard", "plato-no-mixed-batches", "auto", "auto-load-4")]
+                    if name not in ("plato-no-copy-guard", "plato-no-mixed-batches", "auto")]
 # Part of a run's settings: raised when a change to the code (not to a setting) alters the answers or
 # their timing, so that a resumed run never mixes answers made before it with answers made after.
 # 2: node prompts name their preamble, whose KV serves the first node of every later question.
@@ -238,9 +238,7 @@ def run(argv: list[str]) -> dict:
 
     # nodes and outline points share the budget (AnswerConfig.nodes_per_budget): budget // 4 each
     base = AnswerConfig(max_tokens=budget, node_max_tokens=budget, plan_max_tokens=96)
-    # a setting added later with a default that changes no answer stays out, so kept runs still resume
-    answer_settings = base.model_dump(exclude={"auto_plan_max_load"})
-    signature = {"data": args.data, "answer": answer_settings, "engine": EngineConfig(**ENGINE).model_dump(),
+    signature = {"data": args.data, "answer": base.model_dump(), "engine": EngineConfig(**ENGINE).model_dump(),
                  "revision": ANSWER_REVISION, **device_signature(*select_device_and_dtype(EngineConfig(**ENGINE)))}
     store = PlatoRunStore(args.store, signature)
     if args.fresh:

@@ -47,9 +47,6 @@ class DecodeClient(Protocol):
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Result]: ...
 
-    # optional: `async def load(self) -> int`, the requests queued or decoding on the decoders now (for
-    # AnswerConfig.auto_plan_max_load); a client without it is never too busy to plan
-
 
 class PrioritizedClient:
     """A DecodeClient that sends every request at `priority` (`GenerationRequest.priority`: higher goes
@@ -67,15 +64,6 @@ class PrioritizedClient:
     def stream(self, request):
         return self.client.stream(request.model_copy(update={"priority": self.priority}))
 
-    async def load(self) -> int | None:
-        return await decoder_load(self.client)
-
-
-async def decoder_load(client) -> int | None:
-    """The client's `load()` (requests queued or decoding), or None where it cannot tell."""
-    load = getattr(client, "load", None)
-    return await load() if load is not None else None
-
 
 class EngineClient:
     """A DecodeClient over an in-process AsyncEngine."""
@@ -91,10 +79,6 @@ class EngineClient:
 
     def stream(self, request):
         return self.engine.stream(request)
-
-    async def load(self) -> int:
-        stats = await self.engine.call(lambda e: e.stats())
-        return stats["running"] + stats["waiting"]
 
 
 class AnswerConfig(BaseModel):
@@ -124,11 +108,6 @@ class AnswerConfig(BaseModel):
         "or of any sub-question in the plan before the next token is banned (the engine's `no_copy`): shown the "
         "plan, the embedded model answered about 1 node in 8 of a Vicuna-80 run by writing the plan out again. None: "
         "no guard. Skeleton-of-Thought's points go unguarded, as that paper's baseline has it.")
-    auto_plan_max_load: int | None = Field(
-        None, ge=0, description="`auto` plans a question its router sends to planning only while at most this many "
-        "requests are queued or decoding (the client's `load()`); past it, the question is answered plainly: a plan "
-        "and its node prompts are extra work, which under load costs throughput more than parallel nodes save in "
-        "latency. None: plan whatever the load.")
     plan_presence_penalty: float = Field(
         1.2, ge=0.0, le=2.0, description="Presence penalty while the plan or outline is written: small models "
         "repeat a sub-question, and repair drops a repeated line, often leaving too few nodes. Measured on 24 "
@@ -188,10 +167,6 @@ class Orchestrator:
         reason = None
         if mode == "auto":
             mode, reason = route(question)
-            limit = self.config.auto_plan_max_load
-            if mode != "ar" and limit is not None and (load := await decoder_load(self.client)) is not None \
-                    and load > limit:
-                mode, reason = "ar", f"busy: {load} requests queued or decoding, more than {limit}"
         answer = await {"ar": self._ar, "sot": self._sot, "plato": self._plato}[mode](question)
         answer.latency_s = time.perf_counter() - started
         answer.routed = reason

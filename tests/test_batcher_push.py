@@ -568,25 +568,3 @@ def test_the_push_loop_sends_prompts_of_different_holders_in_different_micro_bat
         assert sizes == [1, 2, 1] and stats["holder_splits"] >= 1 and observer.held_apart == stats["holder_splits"]
     else:
         assert sizes == [1, 3] and stats["holder_splits"] == observer.held_apart == 0
-
-
-def test_the_batcher_clients_load_is_what_the_batcher_holds_queued_or_out():
-    """What `auto` asks before planning (AnswerConfig.auto_plan_max_load)."""
-    from actors.decode_client import BatcherClient
-
-    async def main():
-        decoder = GatedDecoder()
-        actor = BatcherActor({"bins": {"edges": [64]}}, send_batch=decoder, dispatch={"max_requests_in_flight": 1})
-        client = BatcherClient(actor, tokenizing=None)
-        idle = await client.load()
-        asked = [asyncio.create_task(actor.submit(request(f"r{i}"))) for i in range(3)]
-        while not decoder.sizes:
-            await asyncio.sleep(0)
-        for _ in range(20):
-            await asyncio.sleep(0)
-        busy = await client.load()
-        decoder.release.set()
-        await asyncio.gather(*asked)
-        return idle, busy, await client.load()
-
-    assert run(main()) == (0, 3, 0)

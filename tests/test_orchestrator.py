@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
+from engine.types import FinishReason, GenerationRequest, Result, TokenEvent
 from graph.orchestrator import AnswerConfig, EngineClient, Orchestrator
 from graph.prompts import NODE_SYSTEM
 
@@ -188,47 +188,6 @@ def test_auto_routes_code_to_plain_decoding_and_advice_to_planning():
     advice = asyncio.run(orchestrator.answer("How can I sleep better and feel rested?", "auto"))
     assert (code.mode, code.routed) == ("ar", "code")
     assert (advice.mode, advice.routed) == ("plato", "several separable parts")
-
-
-@pytest.mark.parametrize("load, limit, mode", [(3, 2, "ar"), (2, 2, "plato"), (9, None, "plato"), (None, 0, "plato")])
-def test_auto_answers_plainly_what_it_would_plan_while_the_decoders_are_busy(load, limit, mode):
-    """Past auto_plan_max_load requests queued or decoding, a question routed to planning is answered
-    plainly, the reason saying so; a client that cannot tell its load (None) never counts as busy."""
-    from graph.orchestrator import PrioritizedClient
-
-    class LoadedClient(ScriptedClient):
-        async def load(self):
-            return load
-
-    orchestrator = Orchestrator(PrioritizedClient(LoadedClient(DIAMOND), 0), AnswerConfig(auto_plan_max_load=limit))
-    advice = asyncio.run(orchestrator.answer("How can I sleep better and feel rested?", "auto"))
-    assert advice.mode == mode
-    if mode == "ar":
-        assert advice.routed == "busy: 3 requests queued or decoding, more than 2"
-    code = asyncio.run(orchestrator.answer("Implement a binary search in Python.", "auto"))
-    assert (code.mode, code.routed) == ("ar", "code")  # routed plainly anyway, by its own rule
-    assert asyncio.run(orchestrator.answer("How can I sleep better and feel rested?", "plato")).mode == "plato"
-
-
-def test_the_engine_clients_load_counts_its_running_and_waiting_requests(make_engine):
-    async def main():
-        engine = AsyncEngine(make_engine(max_batch_size=1))
-        try:
-            client = EngineClient(engine)
-            idle = await client.load()
-            params = SamplingParams(max_tokens=400, ignore_eos=True)  # one runs, two wait, long enough to see
-            tasks = [asyncio.create_task(engine.generate(GenerationRequest(prompt_ids=[5, 6, 7], params=params)))
-                     for _ in range(3)]
-            busy = 0
-            while busy < 3 and not tasks[0].done():
-                busy = await client.load()
-            await asyncio.gather(*tasks)
-            return idle, busy, await client.load()
-        finally:
-            engine.shutdown()
-
-    idle, busy, after = asyncio.run(main())
-    assert idle == 0 and busy == 3 and after == 0
 
 
 def test_planning_prompts_share_their_instructions_as_a_cached_prefix(make_engine):
