@@ -40,8 +40,8 @@ def _two_turns(client, i: int) -> tuple[int, int, int]:
 
 def test_each_conversations_next_turn_finds_its_earlier_turn_on_its_replica(client):
     """All at once, so that both replicas are busy and Serve's power of two choices would send some
-    next turns away from their earlier ones. (A micro-batch mixing conversations held by different
-    replicas goes where most of its prompts' starts were sent: here each turn is a batch of its own.)"""
+    next turns away from their earlier ones. (Here each turn is a micro-batch of its own, so the router
+    alone is tested; the batcher's keeping apart of different holders' prompts is tested apart.)"""
     with concurrent.futures.ThreadPoolExecutor(CONVERSATIONS) as pool:
         turns = list(pool.map(lambda i: _two_turns(client, i), range(CONVERSATIONS)))
     assert all(first_cached < prompt - 1 for prompt, first_cached, _ in turns), turns  # none was asked before
