@@ -17,12 +17,12 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pydantic import BaseModel, Field
 
 from engine.types import FinishReason, GenerationRequest, Result, TokenLogprob
-from predictor.batcher import Batcher, BatcherConfig
+from predictor.batcher import Batcher, BatcherConfig, HolderOf
 
 log = logging.getLogger(__name__)
 SendBatch = Callable[[dict], AsyncIterator[dict]]
@@ -31,8 +31,6 @@ SendBatch = Callable[[dict], AsyncIterator[dict]]
 Predict = Callable[[list[int], bool], Awaitable["int | dict"]]
 # aborts requests of a micro-batch on the decoder running it: {"batch_id": ..., "abort": [request ids]}
 AbortOnDecoder = Callable[[dict], Awaitable[int]]
-# prompt ids -> the decoder replica that holds their start's KV (deployments.prefix_holders.holder_lookup)
-HolderOf = Callable[[list[int]], Hashable | None]
 
 
 class DispatchConfig(BaseModel):

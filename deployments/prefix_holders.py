@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Protocol
 
-HolderOf = Callable[[Sequence[int]], Hashable | None]
+from predictor.batcher import HolderOf
 
 
 class KnowsHolders(Protocol):

@@ -95,8 +95,12 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         """The replica a micro-batch of this prompt alone would be preferred on (the rule of
         `choose_replicas`, business aside), or None when no replica holds enough of it."""
         match = self.index.match(prompt_ids)
-        enough = match.whole or match.tokens >= max(self.min_shared_tokens, self.min_shared_share * len(prompt_ids))
-        return match.replicas[0] if match.replicas and enough else None
+        return match.replicas[0] if match.replicas and self._enough(match.tokens, match.whole, len(prompt_ids)) else None
+
+    def _enough(self, shared_tokens: int, continued: bool, prompt_tokens: int) -> bool:
+        """Whether a holder sharing this much is preferred: the prompt goes on from a whole earlier one,
+        or shares min_shared_tokens and min_shared_share of its tokens."""
+        return continued or shared_tokens >= max(self.min_shared_tokens, self.min_shared_share * prompt_tokens)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -114,8 +118,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         prompts = batch_prompts(pending_request)
         preferred, tokens, continued = most_shared(self.index, prompts, list(by_id))
         preferred = [by_id[i] for i in preferred if not self._too_busy(i, by_id)]
-        enough = continued or tokens >= max(self.min_shared_tokens, self.min_shared_share * sum(map(len, prompts)))
-        if not enough or not preferred:
+        if not self._enough(tokens, continued, sum(map(len, prompts))) or not preferred:
             self.routed["balanced"] += 1
             first = min(two, key=lambda r: self._ongoing(r.replica_id))  # power of two choices
             return self._chose([[first], [r for r in two if r is not first]])

@@ -24,6 +24,9 @@ from predictor.bins import LengthBins
 if TYPE_CHECKING:
     from engine.base import Engine
 
+# prompt ids -> the decoder replica that holds their start's KV, or None (deployments.prefix_holders)
+HolderOf = Callable[[Sequence[int]], Hashable | None]
+
 
 class BatcherConfig(BaseModel):
     """How the batcher bins, sizes and caps micro-batches."""
@@ -153,7 +156,7 @@ class Batcher:
 
     # ---- batches out ----------------------------------------------------------------------------
     def next_batch(self, now: float, token_budget: int | None = None, max_requests: int | None = None,
-                   holder_of: Callable[[Sequence[int]], Hashable | None] | None = None) -> MicroBatch | None:
+                   holder_of: HolderOf | None = None) -> MicroBatch | None:
         """The next micro-batch (see the class docstring for the policy), or None if nothing waits.
         `token_budget` overrides the configured budget for this batch (a replica's free KV);
         `max_requests` caps its size below max_batch_size (the decoders' free sequence slots);
@@ -205,7 +208,7 @@ class Batcher:
         return min(1.0, max(by_count, sum(self._cost(e) for e in queue) / budget))
 
     def _pack(self, queue: deque[_Entry], now: float, budget: int, limit: int,
-              holder_of: Callable[[Sequence[int]], Hashable | None] | None) -> list[_Entry]:
+              holder_of: HolderOf | None) -> list[_Entry]:
         def order(indexed: tuple[int, _Entry]):
             index, e = indexed
             aged = now - e.submitted_at >= self.config.aging_s
