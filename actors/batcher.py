@@ -14,6 +14,7 @@ Everything crossing the boundary is plain data.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
@@ -25,6 +26,7 @@ from engine.types import FinishReason, GenerationRequest, Result, TokenLogprob
 from predictor.batcher import Batcher, BatcherConfig, HolderOf
 
 log = logging.getLogger(__name__)
+REPLICAS_RECHECK_S = 1.0  # how soon more running decoder replicas let more requests out (requests_per_replica)
 SendBatch = Callable[[dict], AsyncIterator[dict]]
 # predict(prompt_ids, share) -> the length, or {"length", "kv_len"} where the predictor published the
 # KV of the prompt's first kv_len tokens to the context cache (asked with share=True)
@@ -41,6 +43,12 @@ class DispatchConfig(BaseModel):
     max_requests_in_flight: int = Field(
         32, ge=1, description="Requests handed to decoders and not yet finished, across all replicas: about the "
         "engine's max_batch_size times the replicas you expect. Past it, new micro-batches wait.")
+    requests_per_replica: int | None = Field(
+        None, ge=1, description="Requests in flight follow the Decoder's running replicas: this many a replica "
+        "(its engine's slots, plus a few queued there to show the autoscaler a backlog), at most "
+        "max_requests_in_flight. Keep it above the autoscaling policy's target_sequences "
+        "(deployments.autoscaling), or the requests held back in the bins never add a replica. None: "
+        "max_requests_in_flight, whatever the replicas.")
     max_batches_in_flight: int = Field(
         32, ge=1, description="Micro-batches handed to decoders and not yet finished; keep it at or below the "
         "Decoder deployment's max_ongoing_requests times its replicas, so none waits in Serve's router. Requests "
@@ -108,13 +116,17 @@ class BatcherActor:
 
     def __init__(self, config: dict | None = None, send_batch: SendBatch | None = None,
                  predict: Predict | None = None, dispatch: dict | None = None, observer=None,
-                 abort_on_decoder: AbortOnDecoder | None = None, holder_of: HolderOf | None = None):
+                 abort_on_decoder: AbortOnDecoder | None = None, holder_of: HolderOf | None = None,
+                 decoder_replicas: Callable[[], int | None] | None = None):
         """`observer` (deployments.metrics.BatcherMetrics or None) hears of batches, queues and lengths;
-        `holder_of` says which decoder replica holds a prompt (see DispatchConfig.split_by_holder)."""
+        `holder_of` says which decoder replica holds a prompt (see DispatchConfig.split_by_holder);
+        `decoder_replicas` how many decoder replicas run now, None while unknown (see
+        DispatchConfig.requests_per_replica)."""
         self.core = Batcher(BatcherConfig.model_validate(config or {}))
         self.dispatch = DispatchConfig.model_validate(dispatch or {})
         self._send_batch, self._predict, self._abort_on_decoder = send_batch, predict, abort_on_decoder
         self._holder_of = holder_of if self.dispatch.split_by_holder else None
+        self._decoder_replicas = decoder_replicas
         self._aborting: set[asyncio.Task] = set()  # abort calls under way, held: the loop keeps weak references
         self._waiters: dict[str, asyncio.Future] = {}
         self._listeners: dict[str, asyncio.Queue] = {}
@@ -263,7 +275,11 @@ class BatcherActor:
         while True:
             while not self._dispatch_room():
                 self._room.clear()
-                await self._room.wait()
+                # with the limit following the decoder replicas, look again now and then: one added
+                # to them frees no slot, so nothing would set `_room`
+                recheck = REPLICAS_RECHECK_S if self.dispatch.requests_per_replica is not None else None
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), recheck)
             try:
                 batch = await self.next_batch(wait_s=1.0, max_requests=self._dispatch_room(),
                                               holder_of=self._holder_of if self._batch_room() > 1 else None)
@@ -293,12 +309,21 @@ class BatcherActor:
         some in flight as there are lower ones in flight for the decoders to preempt."""
         if self._batch_room() <= 0:
             return 0
-        room = self.dispatch.max_requests_in_flight - len(self._out_priority)
+        room = self.request_limit() - len(self._out_priority)
         if room > 0 or not self.dispatch.preempt or not self._out_priority:
             return max(0, room)
         lowest = min(self._out_priority.values())
         above = self.core.queued_above(lowest)
         return min(above, sum(p == lowest for p in self._out_priority.values())) if above else 0
+
+    def request_limit(self) -> int:
+        """Requests the decoders may hold at once: `requests_per_replica` for each running replica (one
+        while their number is unknown), at most `max_requests_in_flight`."""
+        per_replica = self.dispatch.requests_per_replica
+        if per_replica is None:
+            return self.dispatch.max_requests_in_flight
+        replicas = self._decoder_replicas() if self._decoder_replicas is not None else None
+        return min(self.dispatch.max_requests_in_flight, per_replica * max(1, replicas or 0))
 
     async def _run_remote(self, batch: dict) -> None:
         """Stream one micro-batch from a decoder. Each request is settled, and its sequence slot
@@ -422,7 +447,8 @@ class BatcherActor:
         return count
 
     async def stats(self) -> dict:
-        return {**self.core.stats(), **self.counts}
+        return {**self.core.stats(), **self.counts, "requests_out": len(self._out_priority),
+                "request_limit": self.request_limit()}
 
     async def holder(self, prompt_ids: list[int]) -> str | None:
         """Which decoder replica (its id, as text) holds this prompt's start as far as the micro-batches

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
+from deployments.autoscaling import SEQUENCES_METRIC
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.types import GenerationRequest, Result, TokenEvent
@@ -183,6 +184,11 @@ class DecoderReplica:
         self.counts[f"prefix_{outcome}"] += 1
         if self.observer is not None:
             self.observer.prefix_lookup(outcome)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics: the sequences this replica runs or queues in its engine
+        (deployments.autoscaling scales on them; Serve's own count is micro-batches)."""
+        return {SEQUENCES_METRIC: float(len(self._pumps))}
 
     async def info(self) -> dict:
         engine = self.engine.engine

@@ -7,6 +7,7 @@ import os
 import sys
 
 SCENARIOS = {
+    "autoscale": "bench.autoscale_bench",
     "choices": "bench.choices_bench",
     "engine": "bench.engine_bench",
     "formats": "bench.formats_bench",

@@ -30,6 +30,7 @@ from deployments.metrics import AnswerMetrics, BatcherMetrics, DecoderMetrics
 from deployments.openai_schema import OpenAIRequest, RequestError
 from deployments.prefix_holders import holder_lookup
 from deployments.prefix_router import PrefixAffinityRouter
+from deployments.replica_count import RunningReplicaCount
 from deployments.routing import RoutedBackend
 
 # Serve's own request limit on an ingress replica sits this far above limits.max_queued_requests, so
@@ -41,9 +42,9 @@ INGRESS_HEADROOM = 16
 @serve.deployment(max_ongoing_requests=32, ray_actor_options={"num_cpus": 1},
                   request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter))
 class Decoder(DecoderReplica):
-    """One engine loop per replica. Its ongoing requests are micro-batches, so Serve's autoscaler
-    adds replicas when batches queue up (target_ongoing_requests in the YAML). Micro-batches go to
-    the replica that was sent their prompts' longest start (deployments.prefix_router)."""
+    """One engine loop per replica. Its ongoing requests are micro-batches of any size, so the YAMLs
+    autoscale it on the sequences each replica reports instead (deployments.autoscaling). Micro-batches
+    go to the replica that was sent their prompts' longest start (deployments.prefix_router)."""
 
     def __init__(self, engine_config: dict, context_cache: DeploymentHandle | None):
         context = serve.get_replica_context()
@@ -97,7 +98,8 @@ class Batcher(BatcherActor):
                          predict=_predict_through(predictor) if predictor is not None else None,
                          dispatch=dispatch, observer=BatcherMetrics(),
                          abort_on_decoder=lambda call: decoder.abort.remote(call),
-                         holder_of=holder_lookup(decoder.app_name, decoder.deployment_name))
+                         holder_of=holder_lookup(decoder.app_name, decoder.deployment_name),
+                         decoder_replicas=RunningReplicaCount(decoder.app_name, decoder.deployment_name))
 
 
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})

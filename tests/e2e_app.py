@@ -16,9 +16,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_plato(args: dict, decoder_replicas: int | None = None) -> Iterator[str]:
+def serve_plato(args: dict, decoder_replicas: int | None = None, decoder_options: dict | None = None) -> Iterator[str]:
     """Deploy the application built from `args` as "plato" at "/", with `decoder_replicas` Decoder
-    replicas (None: as the deployment says); yields its base URL, and takes Serve and Ray down after."""
+    replicas (None: as the deployment says) and any other `decoder_options` (Serve's deployment
+    options); yields its base URL, and takes Serve and Ray down after."""
     ray = pytest.importorskip("ray")
     from ray import serve
 
@@ -30,8 +31,9 @@ def serve_plato(args: dict, decoder_replicas: int | None = None) -> Iterator[str
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         original = app.Decoder
-        if decoder_replicas is not None:
-            app.Decoder = original.options(num_replicas=decoder_replicas)
+        options = {**(decoder_options or {}), **({"num_replicas": decoder_replicas} if decoder_replicas else {})}
+        if options:
+            app.Decoder = original.options(**options)
         try:
             serve.run(app.build_app(args), name="plato", route_prefix="/", blocking=False)
         finally:

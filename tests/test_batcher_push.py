@@ -568,3 +568,36 @@ def test_the_push_loop_sends_prompts_of_different_holders_in_different_micro_bat
         assert sizes == [1, 2, 1] and stats["holder_splits"] >= 1 and observer.held_apart == stats["holder_splits"]
     else:
         assert sizes == [1, 3] and stats["holder_splits"] == observer.held_apart == 0
+
+
+def test_requests_in_flight_follow_the_running_decoder_replicas():
+    """With `requests_per_replica`, the decoders get that many a running replica (one replica's worth
+    while their number is unknown, never past max_requests_in_flight); a replica added lets more out
+    at once, with no request ending to make room."""
+    async def main():
+        replicas = {"n": None}
+        decoder = HoldingDecoder()
+        actor = BatcherActor({"bins": {"edges": [64]}}, send_batch=decoder,
+                             dispatch={"requests_per_replica": 2, "max_requests_in_flight": 5},
+                             decoder_replicas=lambda: replicas["n"])
+        asks = [asyncio.create_task(actor.submit(request(f"r{i}"))) for i in range(8)]
+        seen = []
+        for n in (None, 1, 2, 4):
+            replicas["n"] = n
+            await asyncio.sleep(1.3)  # past the loop's recheck
+            seen.append((len(decoder.handed), (await actor.stats())["request_limit"]))
+        decoder.release.set()
+        answers = await asyncio.gather(*asks)
+        return seen, answers
+
+    seen, answers = run(main())
+    assert seen == [(2, 2), (2, 2), (4, 4), (5, 5)]
+    assert len(answers) == 8 and all(a["token_ids"] == [1] for a in answers)
+
+
+def test_without_requests_per_replica_the_replica_count_is_not_read():
+    def never():
+        raise AssertionError("read the replicas")
+
+    actor = BatcherActor({"bins": {"edges": [64]}}, dispatch={"max_requests_in_flight": 7}, decoder_replicas=never)
+    assert actor.request_limit() == 7

@@ -50,7 +50,9 @@ def _check_serve(config: dict) -> None:
         assert {d.name for d in app.deployments} <= {Decoder.name, Ingress.name}
         for deployment in app.deployments:
             if isinstance(deployment.autoscaling_config, dict):
-                AutoscalingConfig.model_validate(deployment.autoscaling_config)
+                scaling = AutoscalingConfig.model_validate(deployment.autoscaling_config)
+                if not scaling.policy.is_default_policy_function():
+                    _check_policy(scaling.policy, app.args, deployment)
             if isinstance(deployment.request_router_config, dict):
                 _check_router(deployment.request_router_config)
 
@@ -65,6 +67,19 @@ def _check_router(config: dict) -> None:
     router = RequestRouterConfig(**config).get_request_router_class()
     assert issubclass(router, RequestRouter)
     inspect.signature(router.initialize_state).bind(None, **config.get("request_router_kwargs", {}))
+
+
+def _check_policy(policy, args: dict, deployment) -> None:
+    """A custom autoscaling policy builds from its kwargs (Serve does so in its controller), and for
+    the sequence policy the batcher hands a replica more than its target (else a backlog held in
+    the bins never adds one) and the replica takes that many micro-batches."""
+    from deployments.autoscaling import SequenceLoadPolicy
+
+    built = policy.get_policy()(**policy.policy_kwargs)
+    if isinstance(built, SequenceLoadPolicy):
+        per_replica = args["dispatch"]["requests_per_replica"]
+        assert per_replica > built.target_sequences
+        assert deployment.max_ongoing_requests >= per_replica
 
 
 def _check_launcher(document: dict) -> None:
@@ -112,7 +127,21 @@ def test_gpu_config_runs_one_autoscaled_decoder_per_gpu_sized_to_its_batch():
     scaling = decoder["autoscaling_config"]
     assert decoder["ray_actor_options"]["num_gpus"] == 1
     assert scaling["min_replicas"] == 1 and scaling["max_replicas"] > 1
-    assert scaling["target_ongoing_requests"] <= decoder["max_ongoing_requests"] <= engine["max_batch_size"]
+    assert scaling["policy"]["policy_function"] == "deployments.autoscaling:SequenceLoadPolicy"
+    dispatch = config["applications"][0]["args"]["dispatch"]
+    assert scaling["policy"]["policy_kwargs"]["target_sequences"] < engine["max_batch_size"] \
+        <= dispatch["requests_per_replica"] <= decoder["max_ongoing_requests"]
+    assert dispatch["max_requests_in_flight"] >= dispatch["requests_per_replica"] * scaling["max_replicas"]
+
+
+def test_a_sequence_policy_the_batcher_never_shows_a_backlog_is_refused():
+    config = _load("local.yaml")
+    _decoder(config)["autoscaling_config"]["policy"]["policy_kwargs"]["target_sequences"] = 40
+    with pytest.raises(AssertionError):
+        _check_serve(config)
+    _decoder(config)["autoscaling_config"]["policy"]["policy_kwargs"]["target_sequences"] = 0
+    with pytest.raises(ValueError, match="target_sequences"):
+        _check_serve(config)
 
 
 def test_rayservice_serves_the_gpu_application_on_one_gpu_per_worker_pod():
