@@ -1,7 +1,8 @@
 """End to end (real Ray, real Serve, the embedded model): the Decoder scales on the sequences its
 replicas report, which Serve's own rule, counting micro-batches, would not have seen; and the
 batcher hands out requests for the replicas that run: a second replica lets the requests it held
-back in its bins out at once, while the first replica's answers are still decoding."""
+back in its bins out, while the first replica's answers are still decoding (which replica runs them
+is the Decoder router's choice)."""
 from __future__ import annotations
 
 import concurrent.futures
