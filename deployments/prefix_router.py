@@ -2,15 +2,16 @@
 (`request_router_config`) that sends a micro-batch to the decoder replica that was sent the longest
 start of its prompts, where that replica's KV is most likely still cached (a conversation's next
 turn, whose prompt goes on from the last one; a plan's sibling nodes), unless that replica is
-busier than the least busy by more than `imbalanced_threshold`. Otherwise, and for prompts that
-share too little, Serve's power of two choices.
+busier than the least busy by more than `imbalanced_threshold` sequences. Otherwise, and for prompts
+that share too little, Serve's power of two choices, by sequences too.
 
 Its state lives in the process that holds the handle, so the index sees every micro-batch only
-because the one Batcher replica sends them all. The queue lengths are the ones Serve's router
-already caches from its probes and replies (none are probed for this), plus the replicas this router
-chose in the last second for calls not sent yet: Serve counts a call only once it is sent, after
-every call routed in the same instant has been chosen, so micro-batches pushed together would all
-see the same counts and pile onto one replica. An abort call for requests of a micro-batch
+because the one Batcher replica sends them all. A replica's load is counted in sequences: the calls
+Serve's router already caches from its probes and replies (none are probed for this), plus the
+sequences beyond the first of each micro-batch out there (Serve counts a micro-batch of 30 answers as
+one call), plus what this router chose for it in the last second in calls not sent yet: Serve counts
+a call only once it is sent, after every call routed in the same instant has been chosen, so
+micro-batches pushed together would all see the same counts and pile onto one replica. An abort call for requests of a micro-batch
 (`Decoder.abort`) goes to the replica that micro-batch was sent to.
 
 A micro-batch goes to one replica, so the batcher, in the same process, asks which
@@ -78,8 +79,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
       there, or else when it shares at least this many tokens (32);
     - min_shared_share: ... and at least this share of the batch's prompt tokens (0.5), so that a
       system message every prompt starts with does not pull all traffic to one replica;
-    - imbalanced_threshold: ... and has at most this many more ongoing micro-batches than the least
-      busy replica (4)."""
+    - imbalanced_threshold: ... and has at most this many more ongoing sequences than the least busy
+      replica (4)."""
 
     def initialize_state(self, block_tokens: int = 16, max_blocks: int = 65_536, min_shared_tokens: int = 32,
                          min_shared_share: float = 0.5, imbalanced_threshold: int = 4) -> None:
@@ -87,7 +88,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.min_shared_tokens, self.min_shared_share = min_shared_tokens, min_shared_share
         self.imbalanced_threshold = imbalanced_threshold
         self.routed = {"preferred": 0, "balanced": 0}  # what choose_replicas did, for tests and logs
-        self.unsent: dict[ReplicaID, list[float]] = {}  # when each replica was chosen for a call not sent yet
+        # when each replica was chosen for a call not sent yet, and the call's sequences
+        self.unsent: dict[ReplicaID, list[tuple[float, int]]] = {}
+        # micro-batches out, by Serve's internal request id: (replica, its sequences beyond the first)
+        self.beyond_first: dict[str, list[tuple[ReplicaID, int]]] = {}
+        self.beyond_first_on: dict[ReplicaID, int] = {}
         self.holders: OrderedDict[str, ReplicaID] = OrderedDict()  # micro-batch id -> the replica sent it
         prefix_holders.register(self._deployment_id.app_name, self._deployment_id.name, self)
 
@@ -118,35 +123,38 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         prompts = batch_prompts(pending_request)
         preferred, tokens, continued = most_shared(self.index, prompts, list(by_id))
         preferred = [by_id[i] for i in preferred if not self._too_busy(i, by_id)]
+        sequences = max(1, len(prompts))
         if not self._enough(tokens, continued, sum(map(len, prompts))) or not preferred:
             self.routed["balanced"] += 1
             first = min(two, key=lambda r: self._ongoing(r.replica_id))  # power of two choices
-            return self._chose([[first], [r for r in two if r is not first]])
+            return self._chose([[first], [r for r in two if r is not first]], sequences)
         self.routed["preferred"] += 1
         preferred.sort(key=lambda r: self._ongoing(r.replica_id))
         rest = [r for r in two if r not in preferred] or [r for r in candidate_replicas if r not in preferred]
-        return self._chose([preferred[:1], preferred[1:], rest])
+        return self._chose([preferred[:1], preferred[1:], rest], sequences)
 
-    def _chose(self, ranks: list[list[RunningReplica]]) -> list[list[RunningReplica]]:
+    def _chose(self, ranks: list[list[RunningReplica]], sequences: int) -> list[list[RunningReplica]]:
         """The ranks without empty ones; the first rank's one replica is counted as chosen, not sent."""
-        self.unsent.setdefault(ranks[0][0].replica_id, []).append(time.monotonic())
+        self.unsent.setdefault(ranks[0][0].replica_id, []).append((time.monotonic(), sequences))
         return [rank for rank in ranks if rank]
 
     def _ongoing(self, replica_id: ReplicaID) -> int:
-        """Calls ongoing on the replica as Serve's router caches them, and those chosen for it not sent yet."""
-        return (self.replica_queue_len_cache.get(replica_id) or 0) + len(self.unsent.get(replica_id, ()))
+        """Sequences ongoing on the replica: its calls as Serve's router caches them, the sequences beyond
+        the first of its micro-batches out, and those chosen for it not sent yet."""
+        return ((self.replica_queue_len_cache.get(replica_id) or 0) + self.beyond_first_on.get(replica_id, 0)
+                + sum(n for _, n in self.unsent.get(replica_id, ())))
 
     def _forget_unsent_before(self, cutoff: float) -> None:
-        for replica_id, times in list(self.unsent.items()):
-            times[:] = [t for t in times if t >= cutoff]
-            if not times:
+        for replica_id, choices in list(self.unsent.items()):
+            choices[:] = [c for c in choices if c[0] >= cutoff]
+            if not choices:
                 del self.unsent[replica_id]
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)  # Serve's cached count now holds the call
-        times = self.unsent.get(replica_id)
-        if times:
-            times.pop(0)
+        choices = self.unsent.get(replica_id)
+        if choices:
+            choices.pop(0)
 
     def _get_pending_request_matching_metadata(self, request_metadata=None) -> PendingRequest | None:
         """The pending request a replica was chosen for (FIFOMixin's hook; it falls back to the
@@ -165,10 +173,29 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         prompts = batch_prompts(pending_request)
         for prompt in prompts:
             self.index.record(prompt, replica_id)
+        if len(prompts) > 1:
+            call = pending_request.metadata.internal_request_id
+            self.beyond_first.setdefault(call, []).append((replica_id, len(prompts) - 1))
+            self.beyond_first_on[replica_id] = self.beyond_first_on.get(replica_id, 0) + len(prompts) - 1
         if prompts and isinstance(pending_request.args[0].get("id"), str):
             self.holders[pending_request.args[0]["id"]] = replica_id
             if len(self.holders) > MAX_HOLDERS:
                 self.holders.popitem(last=False)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        out = self.beyond_first.get(internal_request_id, [])
+        done = next((entry for entry in out if entry[0] == replica_id), None)
+        if done is None:
+            return
+        out.remove(done)
+        if not out:
+            del self.beyond_first[internal_request_id]
+        left = self.beyond_first_on.get(replica_id, 0) - done[1]
+        if left > 0:
+            self.beyond_first_on[replica_id] = left
+        else:
+            self.beyond_first_on.pop(replica_id, None)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -183,5 +210,10 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def _forget_replica(self, replica_id: ReplicaID) -> None:
         self.index.forget(replica_id)
         self.unsent.pop(replica_id, None)
+        self.beyond_first_on.pop(replica_id, None)
+        for call, out in list(self.beyond_first.items()):
+            out[:] = [entry for entry in out if entry[0] != replica_id]
+            if not out:
+                del self.beyond_first[call]
         for batch_id in [b for b, holder in self.holders.items() if holder == replica_id]:
             del self.holders[batch_id]

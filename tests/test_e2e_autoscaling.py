@@ -1,8 +1,8 @@
 """End to end (real Ray, real Serve, the embedded model): the Decoder scales on the sequences its
 replicas report, which Serve's own rule, counting micro-batches, would not have seen; and the
 batcher hands out requests for the replicas that run: a second replica lets the requests it held
-back in its bins out, while the first replica's answers are still decoding (which replica runs them
-is the Decoder router's choice)."""
+back in its bins out, while the first replica's answers are still decoding, and the Decoder's
+router, counting the first replica's load in sequences, sends them to the new one."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -66,6 +66,16 @@ def _batcher_stats() -> dict:
     return serve.get_deployment_handle("Batcher", app_name="plato").stats.remote().result()
 
 
+def _holder(client: httpx.Client, content: str) -> str | None:
+    """The Decoder replica the batcher's router sent this chat prompt to (Batcher.holder)."""
+    from ray import serve
+
+    tokens = client.post("/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": content}],
+                                            "add_generation_prompt": True})
+    assert tokens.status_code == 200, tokens.text
+    return serve.get_deployment_handle("Batcher", app_name="plato").holder.remote(tokens.json()["tokens"]).result()
+
+
 def _ask(client: httpx.Client, content: str, max_tokens: int) -> dict:
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}
@@ -90,6 +100,9 @@ def test_a_second_replica_comes_for_the_sequences_and_takes_what_the_batcher_hel
         grown = _batcher_stats()
         answers = [s.result(timeout=120) for s in short]
         long_still_running = sum(not f.done() for f in long)
+        # where each ran, as the Decoder's router recorded it (asked before the scale-in forgets a replica)
+        ran_on = {kind: _holder(server, content) for kind, content in
+                  (("long", "Tell me a long story about a town called 0."), ("short", "Name a colour, number 0."))}
         finished = [f.result(timeout=300) for f in long]
 
     # one replica's worth out, the rest held in the bins, until the second replica runs
@@ -98,6 +111,9 @@ def test_a_second_replica_comes_for_the_sequences_and_takes_what_the_batcher_hel
     # the held requests were answered while the first replica's answers still decoded: they did not
     # wait for a slot there to free
     assert long_still_running > 0
+    # the router counts the first replica's 6 sequences, not its 3 micro-batches: the held requests went to
+    # the new replica, though they share the system prompt's KV with the first
+    assert None not in ran_on.values() and ran_on["short"] != ran_on["long"], ran_on
     assert all(a["usage"]["completion_tokens"] == 8 for a in answers)
     assert all(f["usage"]["completion_tokens"] == LONG for f in finished)
     _until(lambda: _running_decoders(server) == 1, 120, "the scale-in back to one replica")

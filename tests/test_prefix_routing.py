@@ -174,10 +174,39 @@ def test_micro_batches_routed_in_one_instant_are_spread_by_the_choices_not_yet_s
     assert router.replica_queue_len_cache.get(a.replica_id) == chosen.count("a")
 
 
+def test_a_busy_replica_is_counted_in_sequences_not_micro_batches():
+    """One micro-batch of 8 answers on the holder is 8 sequences, not one call: past the threshold, the
+    next turn is balanced away, until that micro-batch completes."""
+    router, (a, b) = _router(imbalanced_threshold=4), _replicas("a", "b")
+    router.on_request_routed(_pending(SYSTEM + [1] * 32), a.replica_id, None)
+    assert _choose(router, [a, b], _pending(SYSTEM + [1] * 32 + [2] * 8))[0] == [a]
+    eight = PendingRequest(args=[{"id": "mb8", "requests": [{"id": str(i), "prompt_ids": [9, i] * 20} for i in range(8)]}],
+                           kwargs={}, metadata=RequestMetadata(request_id="r8", internal_request_id="call-8"), future=None)
+    router.on_request_routed(eight, a.replica_id, None)
+    router.replica_queue_len_cache.update(a.replica_id, 1)  # Serve's count: one call
+    assert router._ongoing(a.replica_id) == 8
+    assert _balanced(router, [a, b], _pending(SYSTEM + [1] * 32 + [2] * 8))  # 8 - 0 > 4
+    router.on_request_completed(a.replica_id, "call-8")
+    router.replica_queue_len_cache.update(a.replica_id, 0)
+    assert router._ongoing(a.replica_id) == 0 and router.beyond_first == {}
+    assert _choose(router, [a, b], _pending(SYSTEM + [1] * 32 + [2] * 8))[0] == [a]
+
+
+def test_choices_not_yet_sent_count_their_micro_batches_sequences():
+    async def choose() -> PrefixAffinityRouter:
+        router, (a, b) = _router(), _replicas("a", "b")
+        await router.choose_replicas([a, b], _pending(*[[n] * 40 for n in range(6)]))
+        return router
+
+    router = asyncio.run(choose())
+    [(replica, choices)] = router.unsent.items()
+    assert [n for _, n in choices] == [6] and router._ongoing(replica) == 6
+
+
 def test_a_choice_never_sent_stops_counting_after_a_second():
     router, (a, b) = _router(), _replicas("a", "b")
-    router.unsent[a.replica_id] = [time.monotonic() - 2, time.monotonic() - 2]
-    router.unsent[b.replica_id] = [time.monotonic()]
+    router.unsent[a.replica_id] = [(time.monotonic() - 2, 1), (time.monotonic() - 2, 1)]
+    router.unsent[b.replica_id] = [(time.monotonic(), 1)]
     ranks = asyncio.run(router.choose_replicas([a, b], _pending([1] * 40)))
     assert ranks[0] == [a]  # a's two stale choices are dropped: 0 against b's 1
 
@@ -256,8 +285,10 @@ def test_a_router_shipped_by_value_as_serve_ships_it_still_answers_the_batchers_
 def test_a_dead_replica_is_forgotten():
     router, (a, b) = _router(), _replicas("a", "b")
     router.on_request_routed(_pending(SYSTEM), a.replica_id, None)
+    router.on_request_routed(_pending(SYSTEM, SYSTEM[:20]), a.replica_id, None)  # two sequences: one beyond the first
+    assert router.beyond_first_on == {a.replica_id: 1}
     router.on_replica_actor_died(a.replica_id)
-    assert len(router.index) == 0
+    assert len(router.index) == 0 and router.beyond_first == {} and router.beyond_first_on == {}
     assert _choose(router, [b], _pending(SYSTEM)) == [[b]]
 
 
