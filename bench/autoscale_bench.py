@@ -38,11 +38,13 @@ def decoder_override(side: str) -> dict:
     return decoder
 
 
-def side_args(side: str) -> dict:
+def side_args(side: str, threads: int | None = None) -> dict:
     from bench.serve_bench import app_args
 
     args = app_args(predictor=False)
     args["limits"]["stop_on_loop"] = False
+    if threads is not None:
+        args["engine"]["num_threads"] = threads
     if side == "micro-batches":
         args["dispatch"].pop("requests_per_replica", None)
         args["dispatch"]["max_requests_in_flight"] = 32
@@ -92,10 +94,10 @@ async def _burst(base_url: str, count: int, max_tokens: int) -> list[float]:
         return list(await asyncio.gather(*(ask(i) for i in range(count))))
 
 
-def _side(side: str, count: int, max_tokens: int) -> dict:
+def _side(side: str, count: int, max_tokens: int, threads: int | None) -> dict:
     from bench.serve_bench import serve_app
 
-    with serve_app(side_args(side), deployments=[decoder_override(side)]) as base_url:
+    with serve_app(side_args(side, threads), deployments=[decoder_override(side)]) as base_url:
         watcher = Watcher()
         watcher.start()
         started = time.perf_counter()
@@ -119,16 +121,19 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="each side this many times, in turns")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of each Decoder replica (default: local.yaml's engine.num_threads)")
+    parser.add_argument("--name", default="autoscale", help="results file name (bench/results/NAME.json)")
     args = parser.parse_args(argv)
     count, max_tokens, repeats = (16, 32, 1) if args.quick else (args.requests, args.max_tokens, args.repeats)
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     for i in range(repeats):
         for side in SIDES if i % 2 == 0 else SIDES[::-1]:
-            runs[side].append(_side(side, count, max_tokens))
+            runs[side].append(_side(side, count, max_tokens, args.threads))
             print(side, {k: v for k, v in runs[side][-1].items() if k != "samples"}, flush=True)
     keys = ("wall_s", "answers_per_min", "latency_mean_s", "latency_p90_s")
     sides = {side: {k: round(float(np.mean([r[k] for r in runs[side]])), 2) for k in keys} for side in SIDES}
-    payload = {"requests": count, "max_tokens": max_tokens, "repeats": repeats, "sides": sides,
+    payload = {"requests": count, "max_tokens": max_tokens, "repeats": repeats, "threads": args.threads, "sides": sides,
                "wall_gain": round(sides["micro-batches"]["wall_s"] / sides["sequences"]["wall_s"], 2),
                "latency_gain": round(sides["micro-batches"]["latency_mean_s"] / sides["sequences"]["latency_mean_s"], 2),
                "runs": runs, "machine": machine()}
@@ -136,5 +141,5 @@ def run(argv: list[str]) -> dict:
                 [[side, *(sides[side][k] for k in keys), [r["second_replica_at_s"] for r in runs[side]],
                   [r["most_requests_out"] for r in runs[side]]] for side in SIDES]))
     print(f"wall_gain {payload['wall_gain']} (micro-batches over sequences), latency_gain {payload['latency_gain']}")
-    print(f"wrote {write_result('autoscale', payload)}")
+    print(f"wrote {write_result(args.name, payload)}")
     return payload

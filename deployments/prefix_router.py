@@ -11,8 +11,8 @@ Serve's router already caches from its probes and replies (none are probed for t
 sequences beyond the first of each micro-batch out there (Serve counts a micro-batch of 30 answers as
 one call), plus what this router chose for it in the last second in calls not sent yet: Serve counts
 a call only once it is sent, after every call routed in the same instant has been chosen, so
-micro-batches pushed together would all see the same counts and pile onto one replica. An abort call for requests of a micro-batch
-(`Decoder.abort`) goes to the replica that micro-batch was sent to.
+micro-batches pushed together would all see the same counts and pile onto one replica. An abort call
+for requests of a micro-batch (`Decoder.abort`) goes to the replica that micro-batch was sent to.
 
 A micro-batch goes to one replica, so the batcher, in the same process, asks which
 replica each queued prompt would be sent to alone, and keeps prompts held by different replicas in

@@ -22,3 +22,9 @@ def test_the_micro_batches_side_counts_micro_batches_and_keeps_a_fixed_limit():
     assert scaling["max_replicas"] == 2 and decoder["max_ongoing_requests"] == 32
     dispatch = side_args("micro-batches")["dispatch"]
     assert "requests_per_replica" not in dispatch and dispatch["max_requests_in_flight"] == 32
+
+
+def test_threads_sets_every_decoder_replicas_torch_threads_on_both_sides():
+    assert side_args("sequences", threads=3)["engine"]["num_threads"] == 3
+    assert side_args("micro-batches", threads=3)["engine"]["num_threads"] == 3
+    assert side_args("sequences")["engine"]["num_threads"] == app_args(predictor=False)["engine"]["num_threads"]
