@@ -11,7 +11,8 @@ CPU, without the length predictor) whose Decoder autoscales from one replica to 
 loop stop, so every answer is as long on both sides). Each side deploys the application afresh; the
 sides take turns `--repeats` times. Per side: the burst's wall time, answers a minute, mean and p90
 latency, when the second replica ran, and the most requests the batcher had out. `wall_gain` =
-`micro-batches`' wall time over `sequences`'. Writes bench/results/autoscale.json.
+`micro-batches`' wall time over `sequences`'. `--threads N` gives every Decoder replica N torch
+threads on both sides (default: local.yaml's). Writes bench/results/autoscale.json (`--name` another).
 """
 from __future__ import annotations
 
