@@ -30,7 +30,7 @@ from deployments.metrics import AnswerMetrics, BatcherMetrics, DecoderMetrics
 from deployments.openai_schema import OpenAIRequest, RequestError
 from deployments.prefix_holders import holder_lookup
 from deployments.prefix_router import PrefixAffinityRouter
-from deployments.replica_count import RunningReplicaCount
+from deployments.replica_count import RunningReplicaCount, deployment_status, replica_states
 from deployments.routing import RoutedBackend
 
 # Serve's own request limit on an ingress replica sits this far above limits.max_queued_requests, so
@@ -114,12 +114,9 @@ class Planner(PlannerReplica):
     async def health(self) -> dict:
         """Healthy while the decoder deployment is: Serve marks it unhealthy when replicas fail their
         `check_health`, which fails when a replica's engine loop is stuck or dead."""
-        status = await asyncio.to_thread(serve.status)
-        app = status.applications.get(serve.get_replica_context().app_name)
-        decoder = app.deployments.get("Decoder") if app else None
+        decoder = await asyncio.to_thread(deployment_status, serve.get_replica_context().app_name, "Decoder")
         state = decoder.status.value if decoder else "MISSING"
-        replicas = {k.value if hasattr(k, "value") else str(k): v for k, v in (decoder.replica_states or {}).items()} \
-            if decoder else {}
+        replicas = replica_states(decoder) if decoder else {}
         return {"healthy": state == "HEALTHY", "decoder": state, "decoder_replicas": replicas}
 
 

@@ -90,8 +90,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.routed = {"preferred": 0, "balanced": 0}  # what choose_replicas did, for tests and logs
         # when each replica was chosen for a call not sent yet, and the call's sequences
         self.unsent: dict[ReplicaID, list[tuple[float, int]]] = {}
-        # micro-batches out, by Serve's internal request id: (replica, its sequences beyond the first)
-        self.beyond_first: dict[str, list[tuple[ReplicaID, int]]] = {}
+        # micro-batches out, by (Serve's internal request id, replica): their sequences beyond the first,
+        # and those summed per replica
+        self.beyond_first: dict[tuple[str, ReplicaID], int] = {}
         self.beyond_first_on: dict[ReplicaID, int] = {}
         self.holders: OrderedDict[str, ReplicaID] = OrderedDict()  # micro-batch id -> the replica sent it
         prefix_holders.register(self._deployment_id.app_name, self._deployment_id.name, self)
@@ -174,8 +175,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         for prompt in prompts:
             self.index.record(prompt, replica_id)
         if len(prompts) > 1:
-            call = pending_request.metadata.internal_request_id
-            self.beyond_first.setdefault(call, []).append((replica_id, len(prompts) - 1))
+            call = (pending_request.metadata.internal_request_id, replica_id)
+            self.beyond_first[call] = self.beyond_first.get(call, 0) + len(prompts) - 1
             self.beyond_first_on[replica_id] = self.beyond_first_on.get(replica_id, 0) + len(prompts) - 1
         if prompts and isinstance(pending_request.args[0].get("id"), str):
             self.holders[pending_request.args[0]["id"]] = replica_id
@@ -184,14 +185,8 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
-        out = self.beyond_first.get(internal_request_id, [])
-        done = next((entry for entry in out if entry[0] == replica_id), None)
-        if done is None:
-            return
-        out.remove(done)
-        if not out:
-            del self.beyond_first[internal_request_id]
-        left = self.beyond_first_on.get(replica_id, 0) - done[1]
+        done = self.beyond_first.pop((internal_request_id, replica_id), 0)
+        left = self.beyond_first_on.get(replica_id, 0) - done
         if left > 0:
             self.beyond_first_on[replica_id] = left
         else:
@@ -211,9 +206,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.index.forget(replica_id)
         self.unsent.pop(replica_id, None)
         self.beyond_first_on.pop(replica_id, None)
-        for call, out in list(self.beyond_first.items()):
-            out[:] = [entry for entry in out if entry[0] != replica_id]
-            if not out:
-                del self.beyond_first[call]
+        for call in [c for c in self.beyond_first if c[1] == replica_id]:
+            del self.beyond_first[call]
         for batch_id in [b for b, holder in self.holders.items() if holder == replica_id]:
             del self.holders[batch_id]

@@ -12,16 +12,23 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 
-def running_replicas(app_name: str, deployment_name: str) -> int | None:
-    """RUNNING replicas of the deployment, as the Serve controller reports them (None: no such deployment)."""
+def deployment_status(app_name: str, deployment_name: str):
+    """The deployment's `DeploymentStatusOverview` as the Serve controller reports it, or None."""
     from ray import serve
 
     app = serve.status().applications.get(app_name)
-    deployment = app.deployments.get(deployment_name) if app else None
-    if deployment is None:
-        return None
-    return sum(n for state, n in (deployment.replica_states or {}).items()
-               if getattr(state, "value", state) == "RUNNING")
+    return app.deployments.get(deployment_name) if app else None
+
+
+def replica_states(deployment) -> dict[str, int]:
+    """A `DeploymentStatusOverview`'s replicas per state, by the state's name ("RUNNING", "STARTING", ...)."""
+    return {getattr(state, "value", str(state)): n for state, n in (deployment.replica_states or {}).items()}
+
+
+def running_replicas(app_name: str, deployment_name: str) -> int | None:
+    """RUNNING replicas of the deployment, as the Serve controller reports them (None: no such deployment)."""
+    deployment = deployment_status(app_name, deployment_name)
+    return None if deployment is None else replica_states(deployment).get("RUNNING", 0)
 
 
 class RunningReplicaCount:
