@@ -106,11 +106,12 @@ class AsyncEngine:
         def abort_unless_superseded(engine: Engine) -> None:
             if self._subscribers.get(request.id) in (None, subscriber):
                 _abort_and_drop(engine, request.id)
+            if self._subscribers.get(request.id) is subscriber:  # added after this stream had ended
+                del self._subscribers[request.id]
 
-        added = done = False
+        done = False
         try:
             await self.call(add)
-            added = True
             while True:
                 item = await subscriber.queue.get()
                 if isinstance(item, BaseException):
@@ -122,7 +123,9 @@ class AsyncEngine:
         finally:
             if self._subscribers.get(request.id) is subscriber:
                 del self._subscribers[request.id]
-            if added and not done and self.error is None and self._thread.is_alive():
+            # also when the add was not seen through: cancelled while the engine thread ran it, the
+            # request may be in the engine all the same (the abort of one that is not finds nothing)
+            if not done and self.error is None and self._thread.is_alive():
                 self._inbox.put((abort_unless_superseded, None))
                 self._wake.set()
 
@@ -180,6 +183,10 @@ class AsyncEngine:
                 fn, future = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            # a caller cancelled while this waited (its task was): nobody wants the work, and setting the
+            # result of a cancelled future would raise here and stop the loop for every request
+            if future is not None and not future.set_running_or_notify_cancel():
+                continue
             try:
                 result = fn(self.engine)
             except Exception as exc:

@@ -289,3 +289,61 @@ def test_an_engine_that_fails_to_build_raises_from_the_constructor():
 
     with pytest.raises(FileNotFoundError, match="model: no such folder"):
         AsyncEngine(build)
+
+
+def test_a_call_cancelled_while_it_waits_is_skipped_and_the_loop_lives_on(serve):
+    """A caller whose task is cancelled while its call waits in the inbox (a client gone while its
+    request was being added): the engine thread skips the call instead of failing to hand back its
+    result, which stopped the loop for every request (fresh-clone CI at c977a73)."""
+    async_engine = serve()
+    ran, gate = [], threading.Event()
+
+    async def main():
+        busy = asyncio.ensure_future(async_engine.call(lambda e: gate.wait(5)))  # holds the engine thread
+        await asyncio.sleep(0.05)
+        waiting = asyncio.ensure_future(async_engine.call(lambda e: ran.append("cancelled call")))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        await asyncio.sleep(0.05)
+        gate.set()
+        await busy
+        return await async_engine.generate(req("after", [5, 6, 7], max_tokens=4))
+
+    result = run(main())
+    assert ran == [] and result.finish_reason == FinishReason.LENGTH and len(result.token_ids) == 4
+    assert async_engine.health()["healthy"]
+
+
+def test_a_stream_cancelled_while_its_request_is_added_leaves_nothing_running(serve):
+    """Cancelled while the engine thread runs its add (too late to skip it), the stream still aborts
+    the request it may have added, and forgets its subscriber."""
+    async_engine = serve()
+    engine = async_engine.engine
+    real_add, adding, release = engine.add, threading.Event(), threading.Event()
+
+    def slow_add(request):
+        adding.set()
+        release.wait(5)
+        real_add(request)
+
+    engine.add = slow_add
+
+    async def main():
+        async def consume():
+            async for _ in async_engine.stream(req("gone", [5, 6, 7], max_tokens=400)):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.to_thread(adding.wait, 5)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+            state = await async_engine.call(lambda e: (e.has_work(), e.stats()["generated_tokens"]))
+            if not state[0]:
+                return state, dict(async_engine._subscribers)
+
+    (has_work, generated), subscribers = run(main())
+    assert not has_work and generated < 100 and subscribers == {}
