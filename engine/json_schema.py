@@ -133,6 +133,9 @@ class _Compiler:
         if isinstance(types, list):
             if not types:
                 raise ValueError(f"{where}.type: an empty list admits no value")
+            for t in types:
+                if not isinstance(t, str):
+                    raise ValueError(f"{where}.type: {t!r} is not a JSON Schema type ({', '.join(TYPES)})")
             return self.add(Node("any_of", options=tuple(
                 self.typed(schema, t, f"{where}.type") for t in dict.fromkeys(types))))
         return self.typed(schema, types, where)
@@ -217,6 +220,9 @@ class _Compiler:
         extra = schema.get("additionalProperties", True)
         if not isinstance(properties, dict) or not isinstance(required, list):
             raise ValueError(f"{where}: properties is an object and required a list")
+        for name in required:
+            if not isinstance(name, str):
+                raise ValueError(f"{where}.required: a list of property names, not {name!r}")
         names = list(properties)
         for name in required:
             if name not in properties:

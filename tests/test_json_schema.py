@@ -174,6 +174,8 @@ def test_every_answer_the_grammar_completes_validates(name):
     ({"type": "object", "required": ["z"], "additionalProperties": False}, "'z' is required"),
     ({"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 2}}}, "below"),
     ({"type": "object", "properties": {"a": {"type": "text"}}}, "not a JSON Schema type"),
+    ({"type": "object", "properties": {"a": {"type": [["string"]]}}}, "not a JSON Schema type"),  # was a TypeError
+    ({"type": "object", "required": [["a"]]}, "a list of property names"),  # was a TypeError
     ({"type": "object", "properties": {"a": False}}, "admits no value"),
     ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"maxLength": 2}]}}}, "allOf"),
     ({"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
