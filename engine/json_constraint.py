@@ -252,6 +252,7 @@ class GrammarConstraint(TokenConstraint):
         self.text = ""
         self.alphabet = "".join(sorted(characters.union(*map(set, texts))))
         self.wrapping_up = False
+        self._completion: str | None = None  # while wrapping up: the rest of the shortest completion
 
     def allowed(self) -> torch.Tensor:
         if self.wrapping_up:
@@ -274,7 +275,8 @@ class GrammarConstraint(TokenConstraint):
         the required keys their shortest values, close the brackets) rather than let it run on: the
         engine asks this when the answer loops, which it cannot simply cut without leaving the JSON
         unfinished. False (and nothing changes) when no way to the end is found."""
-        if shortest_completion(self.grammar, self.state, self.alphabet, self.may_end) is None:
+        self._completion = shortest_completion(self.grammar, self.state, self.alphabet, self.may_end)
+        if self._completion is None:
             return False
         self.wrapping_up = True
         return True
@@ -282,7 +284,9 @@ class GrammarConstraint(TokenConstraint):
     def _wrap_up_mask(self) -> torch.Tensor | None:
         """The tokens that begin the shortest completion (the end of sequence once it is written);
         None when there are none, and then decoding goes on under the grammar alone."""
-        rest = shortest_completion(self.grammar, self.state, self.alphabet, self.may_end)
+        if self._completion is None:
+            self._completion = shortest_completion(self.grammar, self.state, self.alphabet, self.may_end)
+        rest = self._completion
         mask = torch.zeros(self._vocab.size, dtype=torch.bool)
         if rest == "":
             mask[self.stops] = True
@@ -301,6 +305,8 @@ class GrammarConstraint(TokenConstraint):
                              f"{self.text[-40:]!r}")
         self.state = state
         self.text += piece
+        if self._completion is not None:  # what is left of a shortest completion is a shortest one from here
+            self._completion = self._completion[len(piece):] if self._completion.startswith(piece) else None
 
     @property
     def is_complete(self) -> bool:

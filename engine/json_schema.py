@@ -11,7 +11,9 @@ schema allows, written the way OpenAI's structured outputs write it:
 - `oneOf` is decoded as `anyOf`: a value that matched two of its alternatives would not validate,
   which alternatives that differ by a `const` or `enum` (tagged unions, as pydantic writes them)
   never do.
-Keywords that would need more than this (pattern, format, numeric bounds, ...) are refused with a
+- a number with bounds (minimum, maximum, exclusiveMinimum, exclusiveMaximum) is written without an
+  exponent, and only as far as it can still end within them (engine.number_bounds).
+Keywords that would need more than this (pattern, format, multipleOf, ...) are refused with a
 ValueError naming the keyword and where it is, never ignored: an answer that ignored them could fail
 the user's validation.
 """
@@ -21,10 +23,13 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from engine.number_bounds import BOUND_WORDS, NumberRange, exact
+
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "discriminator"}
 HANDLED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-           "minLength", "maxLength", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions"}
+           "minLength", "maxLength", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
+           *BOUND_WORDS}
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _PYTHON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
 
@@ -44,6 +49,7 @@ class Node:
     min_length: int = 0  # string: in characters, an escape counting as one
     max_length: int | None = None
     texts: tuple[str, ...] = ()  # literal: the JSON texts it may be
+    bounds: NumberRange | None = None  # number, integer: the values it may take (None: any)
     options: tuple[int, ...] = ()  # any_of: the alternatives' nodes
 
     def key_choices(self, first: int) -> range:
@@ -128,6 +134,8 @@ class _Compiler:
                 types = "array"
             elif any(k in schema for k in ("minLength", "maxLength")):
                 types = "string"
+            elif any(k in schema for k in BOUND_WORDS):
+                types = "number"
             else:
                 return self.any()
         if isinstance(types, list):
@@ -186,6 +194,11 @@ class _Compiler:
             values = [v for v in values if any(_is_type(v, t) for t in types)]
             if not values:
                 raise ValueError(f"{where}: no value of its enum or const has its type {types}")
+        if any(word in schema for word in BOUND_WORDS):  # bounds apply to the numbers among the values
+            bounds = NumberRange.from_schema(schema, False, where)
+            values = [v for v in values if not _is_type(v, "number") or bounds.admits(exact(v))]
+            if not values:
+                raise ValueError(f"{where}: no value of its enum or const lies within its bounds")
         texts = tuple(dict.fromkeys(json.dumps(v, ensure_ascii=False, separators=(",", ":")) for v in values))
         return self.add(Node("literal", texts=texts))
 
@@ -197,7 +210,7 @@ class _Compiler:
         if kind == "null":
             return self.add(Node("literal", texts=("null",)))
         if kind in ("number", "integer"):
-            return self.add(Node(kind))
+            return self.add(Node(kind, bounds=NumberRange.from_schema(schema, kind == "integer", where)))
         if kind == "string":
             low, high = _bounds(schema, "minLength", "maxLength", where)
             return self.add(Node("string", min_length=low, max_length=high))

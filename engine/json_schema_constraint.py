@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 from functools import lru_cache
 
 from engine.constraints import DONE, CharGrammar
@@ -99,6 +100,8 @@ class SchemaGrammar(CharGrammar):
             return self._literal(below, top, ch)
         if kind == "n":
             return self._number(below, top, ch)
+        if kind == "r":
+            return self._ranged(below, top, ch)
         if kind == "o" and top[2] == "keytext":
             return self._object(below, top, ch)
         if ch in WHITESPACE:  # before a value, and around a container's punctuation
@@ -129,7 +132,11 @@ class SchemaGrammar(CharGrammar):
         if kind == "literal":
             return self._literal(below, ("l", index, ""), ch)
         start = number_start(ch)
-        return [(below + (("n", index, *start),), 0)] if start is not None else []
+        if start is None:
+            return []
+        if node.bounds is not None:
+            return [(below + (("r", index, *start, ch),), 0)] if node.bounds.reachable(ch) else []
+        return [(below + (("n", index, *start),), 0)]
 
     def _string(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
         _, index, count, escape = top
@@ -168,6 +175,18 @@ class SchemaGrammar(CharGrammar):
         if nxt is not None:
             return [(below + (("n", index, *nxt),), 0)]
         return self._then(below, ch) if phase in NUMBER_ENDS else []
+
+    def _ranged(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
+        """A number with bounds: its text is kept, each character taken only if the number can still
+        end within them, and no exponent (whose value the prefix cannot bound)."""
+        _, index, phase, digits, text = top
+        node = self.nodes[index]
+        nxt = number_step(phase, digits, ch, integer=node.kind == "integer")
+        if nxt is not None and nxt[0] not in ("exp", "expsign", "expdigit"):
+            return [(below + (("r", index, *nxt, text + ch),), 0)] if node.bounds.reachable(text + ch) else []
+        if phase in NUMBER_ENDS and node.bounds.admits(Fraction(text)):
+            return self._then(below, ch)
+        return []
 
     def _object(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
         _, index, phase, first, written = top

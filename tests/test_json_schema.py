@@ -52,7 +52,21 @@ CHAIN = {  # optional nesting without end, and an alternative that must nest: bo
         "required": ["also"]}},
     "$ref": "#/$defs/link",
 }
-SCHEMAS = {"person": PERSON, "tree": TREE, "pet": PET, "list": LIST, "free": FREE, "chain": CHAIN}
+BOUNDED = {  # numeric bounds as pydantic writes them (ge, gt, le, lt), tight and negative windows among them
+    "type": "object",
+    "properties": {
+        "count": {"type": "integer", "minimum": 1, "maximum": 12},
+        "ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+        "below": {"type": "integer", "minimum": -20, "exclusiveMaximum": -9},
+        "window": {"type": "number", "exclusiveMinimum": 9.99, "maximum": 10},
+        "exact": {"type": "number", "minimum": 0.25, "maximum": 0.25},
+        "whole": {"type": "integer", "minimum": 0.5, "maximum": 2.5},
+        "big": {"type": ["integer", "null"], "minimum": 1000},
+        "level": {"enum": [1, 5, 9, "max"], "maximum": 5},
+    },
+    "required": ["count", "ratio", "below", "window", "exact", "whole"],
+}
+SCHEMAS = {"person": PERSON, "tree": TREE, "pet": PET, "list": LIST, "free": FREE, "chain": CHAIN, "bounded": BOUNDED}
 
 
 def _grammar(schema) -> SchemaGrammar:
@@ -79,6 +93,21 @@ def _grammar(schema) -> SchemaGrammar:
     (LIST, '[]', False),
     (LIST, '[{"a":"x"}]', False),
     (FREE, '{"a":[1,{"b":null}],"c":"x","d":true}', True),
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1}', True),
+    (BOUNDED, '{"count":12,"ratio":0.999,"below":-10,"window":9.991,"exact":0.250,"whole":2,"big":1000,"level":5}', True),
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1,"level":"max"}', True),
+    (BOUNDED, '{"count":0,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1}', False),  # minimum
+    (BOUNDED, '{"count":13,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1}', False),  # maximum
+    (BOUNDED, '{"count":1,"ratio":0,"below":-20,"window":10,"exact":0.25,"whole":1}', False),  # exclusiveMinimum
+    (BOUNDED, '{"count":1,"ratio":1.0,"below":-20,"window":10,"exact":0.25,"whole":1}', False),  # exclusiveMaximum
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-9,"window":10,"exact":0.25,"whole":1}', False),
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-21,"window":10,"exact":0.25,"whole":1}', False),
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":9.99,"exact":0.25,"whole":1}', False),
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10.0001,"exact":0.25,"whole":1}', False),
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.2501,"whole":1}', False),
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":3}', False),
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1,"big":999}', False),
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1,"level":9}', False),
     (FREE, '{"a":}', False),
 ])
 def test_the_grammar_agrees_with_the_reference_validator(schema, text, valid):
@@ -168,7 +197,12 @@ def test_every_answer_the_grammar_completes_validates(name):
     ({"type": "string"}, "must be an object or an array"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "'pattern'"),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "date"}}}, "'format'"),
-    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}, "'minimum'"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}, "'multipleOf'"),
+    ({"type": "object", "properties": {"a": {"type": "number", "minimum": 5, "maximum": 3}}}, "no number lies within"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0.2, "maximum": 0.8}}}, "no integer"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 10**20}}}, "no integer"),  # over 19 digits
+    ({"type": "object", "properties": {"a": {"type": "number", "maximum": "9"}}}, "properties.a.maximum: a number"),
+    ({"type": "object", "properties": {"a": {"enum": [1, 2], "minimum": 3}}}, "no value of its enum"),
     ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}}, "properties.a.\\$ref"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}, "names no definition"),
     ({"type": "object", "required": ["z"], "additionalProperties": False}, "'z' is required"),

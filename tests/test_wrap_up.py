@@ -49,6 +49,16 @@ def test_a_schemas_completion_writes_the_required_keys_shortest_values():
     assert shortest_completion(grammar, grammar.start, alphabet) == '{"city":"  ","rank":0,"tags":[""]}'
 
 
+def test_a_bounded_number_completes_to_its_least_writable_value():
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 250, "maximum": 300},
+                                               "x": {"type": "number", "exclusiveMinimum": 0.5}}, "required": ["n", "x"]}
+    grammar = schema_grammar(schema_key(schema))
+    alphabet = "".join(sorted(JSON_CHARACTERS.union(*map(set, grammar.literal_texts()))))
+    assert shortest_completion(grammar, grammar.start, alphabet) == '{"n":250,"x":1}'
+    assert shortest_completion(grammar, grammar.run(grammar.start, '{"n": 2'), alphabet) == '50,"x":1}'
+    assert shortest_completion(grammar, grammar.run(grammar.start, '{"n": 299,"x":0.'), alphabet) == '6}'
+
+
 def test_choices_complete_to_the_nearest_whole_choice():
     grammar = ChoiceGrammar(("yes", "yes please", "no"))
     assert shortest_completion(grammar, grammar.start, "aelnopsy ") == "no"
@@ -77,6 +87,22 @@ def test_wrapping_up_allows_only_tokens_that_begin_the_completion(json_tokenizer
     while not constraint.is_complete:
         constraint.advance(int(constraint.allowed().nonzero()[-1]))  # the last piece that fits
     assert json.loads(constraint.text) == answer
+
+
+def test_a_wrap_up_searches_for_its_completion_once(json_tokenizer, monkeypatch):  # noqa: F811
+    """The rest of a shortest completion is a shortest completion from where it has got to: the search
+    (breadth first, tens of milliseconds through a bounded number's digits) is not run at every token."""
+    from engine import json_constraint
+
+    searches = []
+    search = json_constraint.shortest_completion
+    monkeypatch.setattr(json_constraint, "shortest_completion", lambda *a, **k: searches.append(1) or search(*a, **k))
+    constraint = JsonObjectConstraint(json_tokenizer)
+    _advance_text(constraint, json_tokenizer, ['{"', "name", '": ', "[", "1,", ' "', "Paris"])
+    assert constraint.wrap_up()
+    while not constraint.is_complete:
+        constraint.advance(int(constraint.allowed().nonzero()[0]))  # the first piece that fits, one character
+    assert json.loads(constraint.text) == {"name": [1, "Paris"]} and len(searches) == 1
 
 
 def test_a_choice_wraps_up_at_the_end_of_sequence_where_a_whole_choice_is_written(json_tokenizer):  # noqa: F811
