@@ -30,11 +30,29 @@ def _not_blank(text: str) -> str:
     return text
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(description="The function called.")
+    arguments: str | dict = Field("{}", description="Its arguments: JSON text, as OpenAI sends them, or an object.")
+
+
+class MessageToolCall(BaseModel):
+    """One call of an assistant message in the conversation, as a response gave it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool"]
-    tool_calls: list[dict] | None = Field(None, description="An assistant message's calls, as a response gave them.")
+    tool_calls: list[MessageToolCall] | None = Field(None, description="An assistant message's calls, as a response "
+                                                     "gave them.")
     tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
     content: str | list[TextPart] | None = Field(None, validate_default=True, description="The text; null only for "
                                                  "an assistant message that calls tools.")
@@ -52,7 +70,7 @@ class ChatMessage(BaseModel):
         """The message as a chat template reads it."""
         message = {"role": self.role, "content": self.content}
         if self.tool_calls:
-            message["tool_calls"] = self.tool_calls
+            message["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message

@@ -17,8 +17,14 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     if params.seed is None:
         generator.seed()
     else:
-        generator.manual_seed(params.seed)
+        generator.manual_seed(torch_seed(params.seed))
     return generator
+
+
+def torch_seed(seed: int) -> int:
+    """`seed` as torch takes it: as it is within torch's range [-2^63, 2^64), else reduced modulo 2^64
+    (a client may send any JSON integer, and a seed outside it raised on the engine's thread)."""
+    return seed if -(1 << 63) <= seed < (1 << 64) else seed % (1 << 64)
 
 
 def _sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
@@ -67,7 +73,7 @@ def sample(
             if p.seed is not None and histories is not None:
                 # the draw for the answer's n-th token depends on (seed, n) alone, not on how many draws
                 # came before in this process: an answer resumed after a cut samples as if never cut
-                g.manual_seed(p.seed * 1_000_003 + len(histories[row]))
+                g.manual_seed(torch_seed(p.seed * 1_000_003 + len(histories[row])))
             chosen[row] = _sample_one(logits[row], p, g)
     return chosen
 

@@ -243,6 +243,17 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(make_engine, decod
     assert tiny_top_p.token_ids == greedy.token_ids
 
 
+def test_a_seed_beyond_64_bits_samples_rather_than_stopping_the_engine(make_engine, decode_alone):
+    """torch takes seeds in [-2^63, 2^64); a JSON seed outside it (or a sequence's seed times 1,000,003)
+    raised on the engine's thread and stopped the engine for every request (found by tests/test_api_fuzz)."""
+    prompt = ids(8, 70)
+    engine = make_engine(max_batch_size=3)
+    huge, low, edge = engine.generate([req(f"s{i}", prompt, max_tokens=6, temperature=0.9, seed=seed)
+                                       for i, seed in enumerate((2**64 + 7, -(2**63) - 1, 2**64 - 1))])
+    assert len(huge.token_ids) == len(low.token_ids) == len(edge.token_ids) == 6
+    assert huge.token_ids == decode_alone(prompt, max_tokens=6, temperature=0.9, seed=7).token_ids  # 2^64 + 7 is 7
+
+
 # ---- finish reasons -----------------------------------------------------------------------------
 def test_stop_string_ends_answer_and_is_not_included(decode_alone):
     prompt = ids(7, 80)

@@ -208,6 +208,25 @@ def test_a_conversation_with_calls_and_results_is_tokenized_as_it_is_answered(se
     assert reply.message.tool_calls is None and reply.finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize("call, field", [
+    ({}, "function"),
+    ({"id": "call_1", "type": "function", "function": {"arguments": "{}"}}, "function.name"),
+    ({"id": "call_1", "type": "function", "function": "weather"}, "function"),
+    ({"id": 7, "type": "function", "function": {"name": "weather"}}, "id"),
+])
+def test_a_malformed_earlier_call_is_a_400_naming_it(call, field):
+    """Earlier calls were read as plain dicts: a call without a function, or a function that was not an
+    object, raised KeyError or TypeError while the prompt was written (a 500; found by tests/test_api_fuzz)."""
+    from pydantic import ValidationError
+
+    from deployments.openai_schema import ChatCompletionRequest
+
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest(messages=[{"role": "user", "content": "weather in rome"},
+                                        {"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert ".".join(map(str, refused.value.errors()[0]["loc"])) == f"messages.1.tool_calls.0.{field}"
+
+
 def test_the_observer_counts_answers_by_the_format_they_were_held_to(service):
     class Recorder:
         def __init__(self):
