@@ -163,12 +163,15 @@ class _Compiler:
         return self.any_node
 
     def ref(self, ref, where: str) -> int:
-        if ref in self.refs:
+        if isinstance(ref, str) and ref in self.refs:
             return self.refs[ref]
         prefix = next((p for p in ("#/$defs/", "#/definitions/") if isinstance(ref, str) and ref.startswith(p)), None)
         if prefix is None:
             raise ValueError(f"{where}.$ref: only references into #/$defs or #/definitions are supported, not {ref!r}")
-        target = self.document.get(prefix[2:-1], {}).get(ref[len(prefix):])
+        definitions = self.document.get(prefix[2:-1], {})
+        if not isinstance(definitions, dict):
+            raise ValueError(f"{prefix[2:-1]}: an object of named schemas, not {type(definitions).__name__}")
+        target = definitions.get(ref[len(prefix):])
         if target is None:
             raise ValueError(f"{where}.$ref: {ref!r} names no definition")
         index = self.refs[ref] = self.add(Node("any_of"))  # reserved first: a definition may refer to itself
@@ -191,6 +194,9 @@ class _Compiler:
         types = schema.get("type")
         if types is not None:
             types = types if isinstance(types, list) else [types]
+            for t in types:
+                if t not in TYPES:  # a list or object here would not even hash
+                    raise ValueError(f"{where}.type: {t!r} is not a JSON Schema type ({', '.join(TYPES)})")
             values = [v for v in values if any(_is_type(v, t) for t in types)]
             if not values:
                 raise ValueError(f"{where}: no value of its enum or const has its type {types}")
@@ -258,8 +264,9 @@ class _Compiler:
 
 def _bounds(schema: dict, low_word: str, high_word: str, where: str) -> tuple[int, int | None]:
     low, high = schema.get(low_word, 0), schema.get(high_word)
-    for word, value in ((low_word, low), (high_word, high)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+    for word in (low_word, high_word):
+        value = schema.get(word, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{where}.{word}: a count, not {value!r}")
     if high is not None and high < low:
         raise ValueError(f"{where}: {high_word} {high} is below {low_word} {low}")

@@ -57,9 +57,9 @@ class NumberRange:
         or when no number of the kind lies within them."""
         given = {}
         for word in BOUND_WORDS:
-            value = schema.get(word)
-            if value is None:
+            if word not in schema:
                 continue
+            value = schema[word]
             if isinstance(value, bool) and word.startswith("exclusive"):  # draft 4: a flag on minimum/maximum
                 given[word] = value
             elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):

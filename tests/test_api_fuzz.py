@@ -1,5 +1,5 @@
 """Bad input never crashes the API: valid requests of every kind, mutated at random (a field removed,
-replaced by a value of another type or size, or an unknown or extra field added), are answered with
+renamed, replaced by a value of another type or size, or an unknown or extra field added), are answered with
 a 2xx or a 4xx, never a 5xx or an exception, and in time. It found a schema whose `required` held a
 list, which raised TypeError inside the schema compiler (a 500)."""
 from __future__ import annotations
@@ -54,6 +54,7 @@ VALID = [
 ODD = [None, -1, 0, 1, 2**31, 2**64, -2**63, 1e308, -0.5, 3.7, "", "x", "baba", "\x00", "é", [], [1], ["a"],
        [[1]], {}, {"a": 1}, True, False, "nan", [None], [{}], "a" * 5000, list(range(600)), [-5], [300],
        {"type": "text"}]
+KEYS = ["-1", "0", "7", "999999999", "1e3", "x", "", " ", "$ref", "é", "content", "role"]
 FIELDS = ["n", "max_tokens", "stream", "logprobs", "top_logprobs", "echo", "best_of", "stop", "suffix", "tools",
           "tool_choice", "response_format", "mode", "priority", "min_tokens", "seed", "prompt_logprobs",
           "guided_json", "stream_options", "add_generation_prompt", "continue_final_message", "ignore_eos",
@@ -83,6 +84,8 @@ def mutated(body: dict, rng: random.Random) -> dict:
         del parent[place[-1]]
     elif roll < 0.3 and isinstance(parent, dict):
         parent[rng.choice(FIELDS)] = rng.choice(ODD)
+    elif roll < 0.4 and isinstance(parent, dict):  # a key renamed: logit_bias ids, property names, fields
+        parent[rng.choice(KEYS)] = parent.pop(place[-1])
     else:
         parent[place[-1]] = rng.choice(ODD)
     return body

@@ -210,6 +210,11 @@ def test_every_answer_the_grammar_completes_validates(name):
     ({"type": "object", "properties": {"a": {"type": "text"}}}, "not a JSON Schema type"),
     ({"type": "object", "properties": {"a": {"type": [["string"]]}}}, "not a JSON Schema type"),  # was a TypeError
     ({"type": "object", "required": [["a"]]}, "a list of property names"),  # was a TypeError
+    ({"type": "object", "properties": {"a": {"$ref": ["#/$defs/a"]}}}, "properties.a.\\$ref"),  # was a TypeError
+    ({"$defs": [{"type": "object"}], "$ref": "#/$defs/0"}, "\\$defs: an object of named schemas"),  # AttributeError
+    ({"type": "object", "properties": {"a": {"const": 1, "type": [{}]}}}, "not a JSON Schema type"),  # TypeError
+    ({"type": "array", "minItems": None}, "minItems: a count, not None"),  # TypeError
+    ({"type": "object", "properties": {"a": {"enum": [1], "minimum": None}}}, "minimum: a number, not None"),
     ({"type": "object", "properties": {"a": False}}, "admits no value"),
     ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"maxLength": 2}]}}}, "allOf"),
     ({"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
@@ -314,3 +319,24 @@ def _parses(text: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def test_a_mutated_schema_compiles_or_is_refused_with_a_value_error():
+    """Schemas of every shape above, mutated at random as tests/test_api_fuzz mutates requests: each one
+    compiles to a grammar that walks, or is a ValueError (a 400), never another exception (a 500)."""
+    from tests.test_api_fuzz import mutated
+
+    rng, compiled = random.Random(3), 0
+    for _ in range(1500):
+        schema = SCHEMAS[rng.choice(sorted(SCHEMAS))]
+        for _ in range(rng.randint(1, 3)):
+            schema = mutated(schema, rng)
+        try:
+            grammar = _grammar(schema)
+        except ValueError:
+            continue
+        compiled += 1
+        state = grammar.start
+        for ch in '{"a": [1, "x"], "b": -2.5}'[: rng.randint(1, 20)]:
+            state = grammar.step(state, ch) if state not in (None, DONE) else state
+    assert compiled > 100  # the rest refused
