@@ -8,12 +8,13 @@ a JSON Schema; it is answered greedily as
   server ran them before: an answer that loops inside its JSON then runs to max_tokens unclosed, where
   now its constraint closes it the shortest way the grammar allows (`GrammarConstraint.wrap_up`).
 
-- `json_schema, bounded`: structured outputs under the question's schema with its numbers' plausible
-  ranges (the row's `bounds`, e.g. a dog's legs 0-8) added as minimum and maximum.
+- `json_schema, refined`: structured outputs under the question's schema refined as a user who knows
+  the values' form would (the row's `refine`): numbers given plausible ranges (a dog's legs 0-8), strings
+  a `format` (date, email, ...) or a `pattern` (a zip code's five digits).
 
 Every variant answers all questions at once (one batch), variants one after another. Reported per
 variant: answers that parse as a JSON object, answers that validate against the question's schema,
-answers whose numbers also lie within the plausible ranges (`in_bounds`), finish reasons, answer tokens, seconds. Writes bench/results/formats.json."""
+answers that also validate against the refined schema, formats checked (`refined_valid`), finish reasons, answer tokens, seconds. Writes bench/results/formats.json."""
 from __future__ import annotations
 
 import argparse
@@ -31,22 +32,22 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 
-VARIANTS = {  # name -> (response_format kind, loop stop on for constrained answers, schema with bounds)
+VARIANTS = {  # name -> (response_format kind, loop stop on for constrained answers, the refined schema)
     "plain": (None, True, False),
     "json_object": ("json_object", True, False),
     "json_object, no wrap-up": ("json_object", False, False),
     "json_schema": ("json_schema", True, False),
     "json_schema, no wrap-up": ("json_schema", False, False),
-    "json_schema, bounded": ("json_schema", True, True),
+    "json_schema, refined": ("json_schema", True, True),
 }
 
 
-def bounded_schema(row: dict) -> dict:
-    """The row's schema with each of its `bounds` ({property: [low, high]}) as that number's minimum and
-    maximum: what a user who knows a plausible range would send."""
+def refined_schema(row: dict) -> dict:
+    """The row's schema with each of its `refine` ({property: keywords}) added to that property: what a
+    user who knows a value's range or form would send."""
     schema = copy.deepcopy(row["schema"])
-    for name, (low, high) in row.get("bounds", {}).items():
-        schema["properties"][name].update(minimum=low, maximum=high)
+    for name, keywords in row.get("refine", {}).items():
+        schema["properties"][name].update(keywords)
     return schema
 
 
@@ -65,18 +66,18 @@ def judge(text: str, schema: dict) -> tuple[bool, bool]:
     if not isinstance(value, dict):
         return False, False
     try:
-        jsonschema.validate(value, schema)
+        jsonschema.validate(value, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
     except jsonschema.ValidationError:
         return True, False
     return True, True
 
 
 async def _variant(services: dict[bool, CompletionService], rows: list[dict], kind: str | None, wrap_up: bool,
-                   bounded: bool, max_tokens: int) -> dict:
+                   refined: bool, max_tokens: int) -> dict:
     service = services[wrap_up]
     requests = [ChatCompletionRequest(messages=[{"role": "user", "content": row["question"]}], max_tokens=max_tokens,
                                       temperature=0.0, response_format=response_format(
-                                          kind, bounded_schema(row) if bounded else row["schema"]))
+                                          kind, refined_schema(row) if refined else row["schema"]))
                 for row in rows]
     started = time.perf_counter()
     responses = await asyncio.gather(*(service.complete(r) for r in requests))
@@ -85,10 +86,10 @@ async def _variant(services: dict[bool, CompletionService], rows: list[dict], ki
     for row, response in zip(rows, responses):
         choice = response.choices[0]
         parses, valid = judge(choice.message.content or "", row["schema"])
-        in_bounds = judge(choice.message.content or "", bounded_schema(row))[1]
+        refined_valid = judge(choice.message.content or "", refined_schema(row))[1]
         answers.append({"question": row["question"], "text": choice.message.content, "finish": choice.finish_reason,
                         "tokens": response.usage.completion_tokens, "parses": parses, "valid": valid,
-                        "in_bounds": in_bounds})
+                        "refined_valid": refined_valid})
     return {"seconds": round(seconds, 2), "answers": answers}
 
 
@@ -98,7 +99,7 @@ def summary(result: dict) -> dict:
     for a in answers:
         finishes[a["finish"]] = finishes.get(a["finish"], 0) + 1
     return {"objects": sum(a["parses"] for a in answers), "valid": sum(a["valid"] for a in answers),
-            "in_bounds": sum(a["in_bounds"] for a in answers), "answers": len(answers), "finish": finishes, "tokens": sum(a["tokens"] for a in answers),
+            "refined_valid": sum(a["refined_valid"] for a in answers), "answers": len(answers), "finish": finishes, "tokens": sum(a["tokens"] for a in answers),
             "seconds": result["seconds"]}
 
 
@@ -116,8 +117,8 @@ def run(argv: list[str]) -> dict:
     services = {wrap: CompletionService(engine, ApiLimits(stop_on_loop=wrap)) for wrap in (True, False)}
     try:
         asyncio.run(_variant(services, rows[:1], "json_schema", True, False, 8))  # builds the vocabulary index, untimed
-        results = {name: asyncio.run(_variant(services, rows, kind, wrap, bounded, args.max_tokens))
-                   for name, (kind, wrap, bounded) in VARIANTS.items()}
+        results = {name: asyncio.run(_variant(services, rows, kind, wrap, refined, args.max_tokens))
+                   for name, (kind, wrap, refined) in VARIANTS.items()}
     finally:
         engine.shutdown()
     summaries = {name: summary(r) for name, r in results.items()}
@@ -127,19 +128,20 @@ def run(argv: list[str]) -> dict:
         "schema_valid_rate": round(summaries["json_schema"]["valid"] / n, 3),
         "json_object_rate": round(summaries["json_object"]["objects"] / n, 3),
         "plain_valid_rate": round(summaries["plain"]["valid"] / n, 3),
-        "in_bounds_rate": {name: round(summaries[name]["in_bounds"] / n, 3) for name in ("json_schema", "json_schema, bounded")},
+        "refined_valid_rate": {name: round(summaries[name]["refined_valid"] / n, 3)
+                               for name in ("json_schema", "json_schema, refined")},
         "wrap_up_objects": {kind: [summaries[kind]["objects"], summaries[f"{kind}, no wrap-up"]["objects"]]
                             for kind in ("json_object", "json_schema")},
         "wrap_up_token_ratio": {kind: round(summaries[kind]["tokens"] / summaries[f"{kind}, no wrap-up"]["tokens"], 3)
                                 for kind in ("json_object", "json_schema")},
         "variants": results, "machine": machine(),
     }
-    print(table(["variant", "JSON objects", "valid", "in bounds", "finish", "answer tokens", "seconds"],
-                [[name, f"{s['objects']}/{n}", f"{s['valid']}/{n}", f"{s['in_bounds']}/{n}", json.dumps(s["finish"]),
+    print(table(["variant", "JSON objects", "valid", "refined valid", "finish", "answer tokens", "seconds"],
+                [[name, f"{s['objects']}/{n}", f"{s['valid']}/{n}", f"{s['refined_valid']}/{n}", json.dumps(s["finish"]),
                   s["tokens"], s["seconds"]]
                  for name, s in summaries.items()]))
     print(f"schema_valid_rate {payload['schema_valid_rate']}, json_object_rate {payload['json_object_rate']}, "
-          f"plain_valid_rate {payload['plain_valid_rate']}, in_bounds_rate {payload['in_bounds_rate']}; with / without wrap-up, objects "
+          f"plain_valid_rate {payload['plain_valid_rate']}, refined_valid_rate {payload['refined_valid_rate']}; with / without wrap-up, objects "
           f"{payload['wrap_up_objects']}, answer tokens {payload['wrap_up_token_ratio']}")
     print(f"wrote {write_result('formats', payload)}")
     return payload

@@ -13,7 +13,10 @@ schema allows, written the way OpenAI's structured outputs write it:
   never do.
 - a number with bounds (minimum, maximum, exclusiveMinimum, exclusiveMaximum) is written without an
   exponent, and only as far as it can still end within them (engine.number_bounds).
-Keywords that would need more than this (pattern, format, multipleOf, ...) are refused with a
+- a string with a `pattern` (engine.regex_nfa) or a `format` (FORMATS: the formats as patterns that
+  admit only valid values, e.g. no date past the 28th of February) is written only as far as its
+  decoded text can still match, within its length bounds.
+Keywords that would need more than this (multipleOf, minProperties, other formats, ...) are refused with a
 ValueError naming the keyword and where it is, never ignored: an answer that ignored them could fail
 the user's validation.
 """
@@ -24,12 +27,13 @@ import math
 from dataclasses import dataclass, field
 
 from engine.number_bounds import BOUND_WORDS, NumberRange, exact
+from engine.regex_nfa import Nfa, compile_pattern
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "discriminator"}
 HANDLED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
            "minLength", "maxLength", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
-           *BOUND_WORDS}
+           "pattern", "format", *BOUND_WORDS}
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _PYTHON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
 
@@ -50,6 +54,7 @@ class Node:
     max_length: int | None = None
     texts: tuple[str, ...] = ()  # literal: the JSON texts it may be
     bounds: NumberRange | None = None  # number, integer: the values it may take (None: any)
+    pattern: Nfa | None = field(default=None, compare=False)  # string: what its text must match (None: any)
     options: tuple[int, ...] = ()  # any_of: the alternatives' nodes
 
     def key_choices(self, first: int) -> range:
@@ -132,7 +137,7 @@ class _Compiler:
                 types = "object"
             elif any(k in schema for k in ("items", "minItems", "maxItems")):
                 types = "array"
-            elif any(k in schema for k in ("minLength", "maxLength")):
+            elif any(k in schema for k in ("minLength", "maxLength", "pattern", "format")):
                 types = "string"
             elif any(k in schema for k in BOUND_WORDS):
                 types = "number"
@@ -219,7 +224,10 @@ class _Compiler:
             return self.add(Node(kind, bounds=NumberRange.from_schema(schema, kind == "integer", where)))
         if kind == "string":
             low, high = _bounds(schema, "minLength", "maxLength", where)
-            return self.add(Node("string", min_length=low, max_length=high))
+            pattern = _string_pattern(schema, where)
+            if pattern is not None and not pattern.can_finish(pattern.initial(), 0, low, high):
+                raise ValueError(f"{where}: no string of {low} to {high} characters matches its pattern")
+            return self.add(Node("string", min_length=low, max_length=high, pattern=pattern))
         if kind == "array":
             low, high = _bounds(schema, "minItems", "maxItems", where)
             items = schema.get("items", True)
@@ -260,6 +268,35 @@ class _Compiler:
             "object", keys=tuple(json.dumps(n, ensure_ascii=False) for n in names), values=values,
             required=tuple(n in required for n in names))
         return index
+
+
+_DAY = "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+_TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_HEX = "[0-9a-f]"
+FORMATS = {  # each admits valid values only: no year before 1000, no 29th of February (leap or not)
+    "date": f"^[1-9][0-9]{{3}}-{_DAY}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^[1-9][0-9]{{3}}-{_DAY}T{_TIME}$",
+    "uuid": f"^{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}$",
+    "email": "^[A-Za-z0-9_+-]+(?:\\.[A-Za-z0-9_+-]+)*@[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+             "(?:\\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\\.[A-Za-z]{2,24}$",
+    "ipv4": f"^{_OCTET}(?:\\.{_OCTET}){{3}}$",
+}
+
+
+def _string_pattern(schema: dict, where: str) -> Nfa | None:
+    """The NFA of a string's `pattern` or `format` (one of them at most), or None."""
+    if "pattern" in schema and "format" in schema:
+        raise ValueError(f"{where}: a pattern beside a format is not supported (fold the format into the pattern)")
+    if "format" in schema:
+        name = schema["format"]
+        if not isinstance(name, str) or name not in FORMATS:
+            raise ValueError(f"{where}.format: {name!r} is not supported (supported: {', '.join(FORMATS)})")
+        return compile_pattern(FORMATS[name], f"{where}.format")
+    if "pattern" in schema:
+        return compile_pattern(schema["pattern"], f"{where}.pattern")
+    return None
 
 
 def _bounds(schema: dict, low_word: str, high_word: str, where: str) -> tuple[int, int | None]:

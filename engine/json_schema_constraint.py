@@ -18,9 +18,11 @@ from fractions import Fraction
 from functools import lru_cache
 
 from engine.constraints import DONE, CharGrammar
-from engine.json_constraint import (ESCAPES, HEX, NUMBER_ENDS, WHITESPACE, GrammarConstraint, number_start,
-                                    number_step)
+from engine.json_constraint import (ESCAPES, HEX, JSON_CHARACTERS, NUMBER_ENDS, WHITESPACE, GrammarConstraint,
+                                    number_start, number_step, token_vocab)
 from engine.json_schema import Program, compile_schema, schema_key
+
+JSON_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}  # -> the character
 
 
 
@@ -28,16 +30,30 @@ class SchemaGrammar(CharGrammar):
     """The answers a compiled schema admits, character by character. Hashed by identity: one per
     schema (see `schema_grammar`), so that requests sending the same schema share its masks."""
 
+    MAX_CACHED_STEPS = 1 << 18
+
     def __init__(self, program: Program, max_depth: int = 32, max_whitespace: int = 24):
         self.nodes = program.nodes
         self.depth = program.depth
         self.max_depth = max_depth
         self.max_whitespace = max_whitespace
+        self._steps: dict = {}
         self.start = frozenset((frames, 0) for frames in self._pushes((), program.root))
         if not self.start:
             raise ValueError(f"schema: its values need more than {max_depth} nested containers")
 
     def step(self, state, ch: str):
+        """The state after `ch` (None: it cannot come next). Cached: a token mask runs thousands of
+        tokens through the same states, and tokens share their beginnings."""
+        key = (state, ch)
+        after = self._steps.get(key, self)
+        if after is self:
+            if len(self._steps) >= self.MAX_CACHED_STEPS:
+                self._steps.clear()
+            after = self._steps[key] = self._step_all(state, ch)
+        return after
+
+    def _step_all(self, state, ch: str):
         if state == DONE:
             return None
         out = set()
@@ -63,6 +79,10 @@ class SchemaGrammar(CharGrammar):
             left = math.inf if high is None else high - top[2]
             budget = left if budget is None else max(budget, left)
         return budget
+
+    def completion_characters(self) -> set[str]:
+        """A character of each class a pattern reads, so that a shortest completion can be searched."""
+        return {c for node in self.nodes if node.pattern is not None for c in node.pattern.examples()}
 
     def literal_texts(self) -> list[str]:
         """The texts written exactly as the schema gives them: keys and enum values."""
@@ -102,6 +122,8 @@ class SchemaGrammar(CharGrammar):
             return self._number(below, top, ch)
         if kind == "r":
             return self._ranged(below, top, ch)
+        if kind == "p":
+            return self._patterned(below, top, ch)
         if kind == "o" and top[2] == "keytext":
             return self._object(below, top, ch)
         if ch in WHITESPACE:  # before a value, and around a container's punctuation
@@ -128,7 +150,11 @@ class SchemaGrammar(CharGrammar):
                 return []
             return [(below + (("o", index, "first", 0, "") if kind == "object" else ("a", index, "first", 0),), 0)]
         if kind == "string":
-            return [(below + (("s", index, 0, 0),), 0)] if ch == '"' else []
+            if ch != '"':
+                return []
+            if node.pattern is not None:
+                return [(below + (("p", index, 0, "", node.pattern.initial()),), 0)]
+            return [(below + (("s", index, 0, 0),), 0)]
         if kind == "literal":
             return self._literal(below, ("l", index, ""), ch)
         start = number_start(ch)
@@ -153,6 +179,49 @@ class SchemaGrammar(CharGrammar):
             return []
         count = count + 1 if high is not None else min(count + 1, low)  # counted only as far as a bound needs
         return [(below + (("s", index, count, -1 if ch == "\\" else 0),), 0)]
+
+    def _patterned(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
+        """A string whose decoded text must match a pattern: the NFA reads each character as the JSON
+        text decodes to it (an escape once whole), and takes it only if the string can still close
+        matching, within its length bounds. `escape` holds the escape begun: "", "\\", or "u" and its
+        hex digits so far. \\u escapes are for control characters only (others are written as they are),
+        so that an escape is begun only where some way to finish it fits the pattern."""
+        _, index, count, escape, positions = top
+        node = self.nodes[index]
+        if escape == "":
+            if ch == '"':
+                return self._done(below) if count >= node.min_length and node.pattern.accepts(positions) else []
+            if ch == "\\":
+                return self._escape_begun(below, index, count, "\\", positions)
+            return self._pattern_read(below, index, count, positions, ch) if ord(ch) >= 0x20 else []
+        if escape == "\\":
+            if ch == "u":
+                return self._escape_begun(below, index, count, "u", positions)
+            decoded = JSON_ESCAPES.get(ch)
+            return self._pattern_read(below, index, count, positions, decoded) if decoded is not None else []
+        if ch not in HEX:
+            return []
+        if len(escape) < 4:
+            return self._escape_begun(below, index, count, escape + ch, positions)
+        code = int(escape[1:] + ch, 16)
+        return self._pattern_read(below, index, count, positions, chr(code)) if code < 0x20 else []
+
+    def _escape_begun(self, below: tuple, index: int, count: int, escape: str, positions: frozenset) -> list[tuple]:
+        """The string with `escape` begun, if some character it may still decode to can be read."""
+        if escape == "\\":
+            candidates = list(JSON_ESCAPES.values()) + [chr(c) for c in range(0x20)]
+        else:
+            candidates = [chr(c) for c in range(0x20) if f"{c:04x}".startswith(escape[1:].lower())]
+        if any(self._pattern_read(below, index, count, positions, c) for c in candidates):
+            return [(below + (("p", index, count, escape, positions),), 0)]
+        return []
+
+    def _pattern_read(self, below: tuple, index: int, count: int, positions: frozenset, decoded: str) -> list[tuple]:
+        node = self.nodes[index]
+        after = node.pattern.step(positions, decoded)
+        if not after or not node.pattern.can_finish(after, count + 1, node.min_length, node.max_length):
+            return []
+        return [(below + (("p", index, count + 1, "", after),), 0)]
 
     def _literal(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
         _, index, written = top
@@ -253,4 +322,6 @@ class JsonSchemaConstraint(GrammarConstraint):
 
     def __init__(self, tokenizer, schema):
         grammar = schema_grammar(schema_key(schema))
-        super().__init__(tokenizer, grammar, texts=grammar.literal_texts(), writes="this schema's JSON")
+        examples = grammar.completion_characters() & token_vocab(tokenizer).single_chars
+        super().__init__(tokenizer, grammar, characters=JSON_CHARACTERS | examples, texts=grammar.literal_texts(),
+                         writes="this schema's JSON")

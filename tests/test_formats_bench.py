@@ -4,7 +4,7 @@ from __future__ import annotations
 import jsonschema
 
 from bench.common import load_jsonl
-from bench.formats_bench import bounded_schema, judge, response_format, summary
+from bench.formats_bench import refined_schema, judge, response_format, summary
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -24,32 +24,39 @@ def test_formats_are_asked_as_the_api_takes_them():
 
 
 def test_the_summary_counts_finishes_tokens_and_valid_answers():
-    answers = [{"finish": "stop", "tokens": 10, "parses": True, "valid": True, "in_bounds": False},
-               {"finish": "length", "tokens": 128, "parses": False, "valid": False, "in_bounds": False}]
+    answers = [{"finish": "stop", "tokens": 10, "parses": True, "valid": True, "refined_valid": False},
+               {"finish": "length", "tokens": 128, "parses": False, "valid": False, "refined_valid": False}]
     assert summary({"seconds": 1.5, "answers": answers}) == {
-        "objects": 1, "valid": 1, "in_bounds": 0, "answers": 2, "finish": {"stop": 1, "length": 1}, "tokens": 138, "seconds": 1.5}
+        "objects": 1, "valid": 1, "refined_valid": 0, "answers": 2, "finish": {"stop": 1, "length": 1}, "tokens": 138, "seconds": 1.5}
 
 
 def test_every_question_asks_for_json_and_carries_a_schema_that_is_itself_valid():
     rows = load_jsonl("formats.jsonl")
-    assert len(rows) == 12
+    assert len(rows) == 20
     for row in rows:
         assert "JSON" in row["question"]  # OpenAI's JSON mode wants the word in the messages
         jsonschema.Draft202012Validator.check_schema(row["schema"])
 
 
-def test_bounds_become_minimum_and_maximum_and_leave_the_row_as_it_was():
-    row = {"schema": SCHEMA, "bounds": {"a": [1, 5]}}
-    schema = bounded_schema(row)
+def test_refinements_join_their_properties_and_leave_the_row_as_it_was():
+    row = {"schema": SCHEMA, "refine": {"a": {"minimum": 1, "maximum": 5}}}
+    schema = refined_schema(row)
     assert schema["properties"]["a"] == {"type": "integer", "minimum": 1, "maximum": 5}
     assert SCHEMA["properties"]["a"] == {"type": "integer"}
     assert judge('{"a": 7}', SCHEMA)[1] and not judge('{"a": 7}', schema)[1]
 
 
-def test_every_bound_names_a_number_of_its_schema():
-    rows = [row for row in load_jsonl("formats.jsonl") if "bounds" in row]
-    assert len(rows) == 9
+def test_formats_are_checked_when_answers_are_judged():
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}
+    assert judge('{"d": "2024-02-28"}', schema) == (True, True)
+    assert judge('{"d": "2024-02-30"}', schema) == (True, False)
+
+
+def test_every_refinement_fits_the_type_of_the_property_it_refines():
+    rows = [row for row in load_jsonl("formats.jsonl") if "refine" in row]
+    assert len(rows) == 17
     for row in rows:
-        for name, (low, high) in row["bounds"].items():
-            assert row["schema"]["properties"][name]["type"] in ("integer", "number") and low < high
-        jsonschema.Draft202012Validator.check_schema(bounded_schema(row))
+        for name, keywords in row["refine"].items():
+            kind = row["schema"]["properties"][name]["type"]
+            assert set(keywords) <= ({"minimum", "maximum"} if kind in ("integer", "number") else {"format", "pattern"})
+        jsonschema.Draft202012Validator.check_schema(refined_schema(row))

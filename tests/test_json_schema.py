@@ -66,7 +66,24 @@ BOUNDED = {  # numeric bounds as pydantic writes them (ge, gt, le, lt), tight an
     },
     "required": ["count", "ratio", "below", "window", "exact", "whole"],
 }
-SCHEMAS = {"person": PERSON, "tree": TREE, "pet": PET, "list": LIST, "free": FREE, "chain": CHAIN, "bounded": BOUNDED}
+PATTERNED = {  # patterns and formats as pydantic writes them (constr(pattern=...), date, datetime, UUID)
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"},
+        "word": {"type": "string", "pattern": "b+", "maxLength": 4},  # unanchored: around a run of b
+        "even": {"type": "string", "pattern": "^(?:aa)*$", "minLength": 1, "maxLength": 5},  # so 2 or 4 long
+        "quote": {"type": "string", "pattern": "^x\"?\\\\?$"},  # characters JSON writes escaped
+        "day": {"type": "string", "format": "date"},
+        "at": {"type": "string", "format": "date-time"},
+        "id": {"type": "string", "format": "uuid"},
+        "mail": {"type": "string", "format": "email"},
+        "ip": {"type": ["string", "null"], "format": "ipv4"},
+    },
+    "required": ["code", "word", "even", "quote", "day"],
+}
+SCHEMAS = {"person": PERSON, "tree": TREE, "pet": PET, "list": LIST, "free": FREE, "chain": CHAIN, "bounded": BOUNDED,
+           "patterned": PATTERNED}
+FORMATS_CHECKED = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
 
 def _grammar(schema) -> SchemaGrammar:
@@ -93,6 +110,16 @@ def _grammar(schema) -> SchemaGrammar:
     (LIST, '[]', False),
     (LIST, '[{"a":"x"}]', False),
     (FREE, '{"a":[1,{"b":null}],"c":"x","d":true}', True),
+    (PATTERNED, '{"code":"AB-123","word":"abba","even":"aa","quote":"x","day":"2024-02-28"}', True),
+    (PATTERNED, '{"code":"AB-123","word":"b","even":"aaaa","quote":"x\\"\\\\","day":"1999-12-31",'
+                '"at":"2024-06-01T23:59:59.5+02:00","id":"123e4567-e89b-12d3-a456-426614174000",'
+                '"mail":"ann.lee@mail.example.org","ip":"192.168.0.255"}', True),
+    (PATTERNED, '{"code":"ab-123","word":"b","even":"aa","quote":"x","day":"2024-02-28"}', False),
+    (PATTERNED, '{"code":"AB-123","word":"aaaa","even":"aa","quote":"x","day":"2024-02-28"}', False),  # no b
+    (PATTERNED, '{"code":"AB-123","word":"abbba","even":"aa","quote":"x","day":"2024-02-28"}', False),  # maxLength
+    (PATTERNED, '{"code":"AB-123","word":"b","even":"aaa","quote":"x","day":"2024-02-28"}', False),
+    (PATTERNED, '{"code":"AB-123","word":"b","even":"aa","quote":"x","day":"2024-13-01"}', False),
+    (PATTERNED, '{"code":"AB-123","word":"b","even":"aa","quote":"x","day":"2024-02-28","ip":"256.1.1.1"}', False),
     (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1}', True),
     (BOUNDED, '{"count":12,"ratio":0.999,"below":-10,"window":9.991,"exact":0.250,"whole":2,"big":1000,"level":5}', True),
     (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1,"level":"max"}', True),
@@ -112,7 +139,8 @@ def _grammar(schema) -> SchemaGrammar:
 ])
 def test_the_grammar_agrees_with_the_reference_validator(schema, text, valid):
     assert _grammar(schema).accepts(text) is valid
-    is_valid = jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) if _parses(text) else False
+    is_valid = (jsonschema.Draft202012Validator(schema, format_checker=FORMATS_CHECKED).is_valid(json.loads(text))
+                if _parses(text) else False)
     assert is_valid is valid
 
 
@@ -171,12 +199,26 @@ def test_properties_come_in_the_schemas_order():
     assert not _grammar(PERSON).accepts(text)
 
 
+def test_a_patterned_string_decodes_its_escapes_and_escapes_only_control_characters():
+    """The pattern reads the text as decoded; a \\u escape is taken for a control character only (a
+    subset of what is valid: "\\u0042" is a B, written as it is), so no escape is begun that no
+    character of the pattern could finish."""
+    grammar = _grammar({"type": "object", "properties": {"a": {"type": "string", "pattern": "^[A-Z\\s]+$"}}})
+    assert grammar.accepts('{"a":"A\\nB\\u0009C"}')  # a newline and a tab, escaped two ways
+    assert not grammar.accepts('{"a":"A\\u0042"}')
+    assert grammar.run(grammar.start, '{"a":"A\\u000') is not None  # \\u0009 to \\u000d are spaces
+    assert grammar.run(grammar.start, '{"a":"A\\u001') is None  # \\u0010 to \\u001f are not
+    digits = _grammar({"type": "object", "properties": {"a": {"type": "string", "pattern": "^[0-9]+$"}}})
+    assert digits.run(digits.start, '{"a":"1\\') is None  # no escape decodes to a digit
+
+
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_every_answer_the_grammar_completes_validates(name):
     """Random walks through the grammar, a character at a time among those it admits: every text
     that reaches the end parses and validates; none stops where no character may follow."""
     schema, grammar = SCHEMAS[name], _grammar(SCHEMAS[name])
-    alphabet = sorted(set('{}[]:,"\\ -.e+0123456789abuxtrfalsn') | set("".join(grammar.literal_texts())))
+    alphabet = sorted(set('{}[]:,"\\ -.e+0123456789abuxtrfalsn') | set("".join(grammar.literal_texts()))
+                      | grammar.completion_characters() | set("ZT:@"))
     rng, completed = random.Random(11), 0
     for _ in range(150):
         state, text = grammar.start, ""
@@ -189,14 +231,18 @@ def test_every_answer_the_grammar_completes_validates(name):
             text += ch
         if state == DONE:
             completed += 1
-            jsonschema.validate(json.loads(text), schema)
+            jsonschema.validate(json.loads(text), schema, format_checker=FORMATS_CHECKED)
     assert completed > 50
 
 
 @pytest.mark.parametrize("schema, keyword", [
     ({"type": "string"}, "must be an object or an array"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "'pattern'"),
-    ({"type": "object", "properties": {"a": {"type": "string", "format": "date"}}}, "'format'"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}}, "a.pattern: a lookaround"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(a)\\1"}}}, "pattern: \\\\1 is not"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "a^b"}}}, "'\\^' inside the pattern"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^ab$", "minLength": 3}}}, "no string of 3"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a", "format": "date"}}}, "beside a format"),
+    ({"type": "object", "properties": {"a": {"type": "string", "format": "hostname"}}}, "a.format: 'hostname'"),
     ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}, "'multipleOf'"),
     ({"type": "object", "properties": {"a": {"type": "number", "minimum": 5, "maximum": 3}}}, "no number lies within"),
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0.2, "maximum": 0.8}}}, "no integer"),
@@ -307,10 +353,10 @@ def test_structured_outputs_on_the_api(json_engine):  # noqa: F811
     for answer in finished:
         jsonschema.validate(answer, SMALL)
     assert both.value.param == "guided_json" and spelling.value.param == "guided_json"
-    with pytest.raises(ValueError, match="'pattern' is not supported"):
+    with pytest.raises(ValueError, match="'multipleOf' is not supported"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {
-                "type": "object", "properties": {"a": {"type": "string", "pattern": "^a"}}}}})
+                "type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}}})
 
 
 def _parses(text: str) -> bool:

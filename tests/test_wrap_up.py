@@ -59,6 +59,16 @@ def test_a_bounded_number_completes_to_its_least_writable_value():
     assert shortest_completion(grammar, grammar.run(grammar.start, '{"n": 299,"x":0.'), alphabet) == '6}'
 
 
+def test_a_patterned_string_completes_to_a_match():
+    schema = {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                                               "day": {"type": "string", "format": "date"}}, "required": ["zip", "day"]}
+    grammar = schema_grammar(schema_key(schema))
+    alphabet = "".join(sorted(JSON_CHARACTERS.union(*map(set, grammar.literal_texts())) | grammar.completion_characters()))
+    rest = shortest_completion(grammar, grammar.run(grammar.start, '{"zip": "12'), alphabet)
+    assert rest == '000","day":"1000-01-01"}'
+    jsonschema.validate(json.loads('{"zip": "12' + rest), schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
 def test_choices_complete_to_the_nearest_whole_choice():
     grammar = ChoiceGrammar(("yes", "yes please", "no"))
     assert shortest_completion(grammar, grammar.start, "aelnopsy ") == "no"

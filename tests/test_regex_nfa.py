@@ -1,0 +1,120 @@
+"""JSON Schema patterns as NFAs: agreement with Python's `re.search` (what jsonschema validates with),
+exact length feasibility, the formats' patterns, and what is refused."""
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import itertools
+import random
+import re
+import uuid
+
+import pytest
+
+from engine.json_schema import FORMATS
+from engine.regex_nfa import compile_pattern
+
+PATTERNS = [r"^\d{4}-\d{2}-\d{2}$", r"^[a-z]+@[a-z]+\.(com|org)$", r"ab*c", r"^(ab|cd){2,3}$", r"^x{0,2}y?$",
+            r"^[^0-9]*$", r"colou?r", r"^\w+(\.\w+)*$", r"^a{3,}$", r"^(?:a|b)*c$", r"^\s*$", r"^[\d\-]+$",
+            r"^\\x$", r"^[.]$", r"^a{2}?$", r"^(?P<word>[a-c]+)-z$", r"^$", r"{x}",
+            r"^\x41\u0042[\t ]+$"]
+ALPHABET = "abcdxyz0129-.@ \\ABrlmoguw{}\t"
+
+
+def _matches(nfa, text: str) -> bool:
+    state = nfa.initial()
+    for ch in text:
+        state = nfa.step(state, ch)
+        if not state:
+            return False
+    return nfa.accepts(state)
+
+
+def _walk(nfa, rng: random.Random, alphabet: str, most: int = 30) -> str | None:
+    """A random text the NFA accepts, a character at a time among those it takes (None: gave up)."""
+    state, text = nfa.initial(), ""
+    while len(text) < most:
+        if nfa.accepts(state) and rng.random() < 0.3:
+            return text
+        options = [ch for ch in alphabet if nfa.step(state, ch)]
+        if not options:
+            break
+        ch = rng.choice(options)
+        text, state = text + ch, nfa.step(state, ch)
+    return text if nfa.accepts(state) else None
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_pattern_matches_what_python_finds_it_in(pattern):
+    nfa, rng = compile_pattern(pattern), random.Random(4)
+    for _ in range(1500):
+        text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 8)))
+        assert _matches(nfa, text) == bool(re.search(pattern, text)), text
+    walked = [t for t in (_walk(nfa, rng, ALPHABET) for _ in range(200)) if t is not None]
+    assert walked or not pattern.startswith("^")  # a walk seldom spells an unanchored pattern's match by chance
+    assert all(re.search(pattern, t) for t in walked)
+
+
+@pytest.mark.parametrize("pattern", [r"^(aa)*$", r"^(ab|b)*a?$", r"^a{2,4}b?$", r"b+", r"^(?:a|bb){1,3}$",
+                                     r"^x{3}$", r"^(a(bc)*)?$"])
+def test_whether_a_string_can_still_end_within_its_length_bounds_is_exact(pattern):
+    """Against every string of up to 8 characters over the pattern's letters: from each prefix, some
+    matching string of a length in [low, high] exists exactly when `can_finish` says so."""
+    nfa = compile_pattern(pattern)
+    strings = ["".join(t) for n in range(9) for t in itertools.product("abcx", repeat=n)]
+    matching = [s for s in strings if re.search(pattern, s)]
+    lengths: dict[str, set[int]] = {}  # prefix -> the lengths of the matching strings that begin with it
+    for m in matching:
+        for k in range(len(m) + 1):
+            lengths.setdefault(m[:k], set()).add(len(m))
+    for prefix in {s[:k] for s in strings[:400] for k in range(len(s) + 1)}:
+        state = nfa.initial()
+        for ch in prefix:
+            state = state and nfa.step(state, ch)
+        if not state:
+            continue
+        for low, high in itertools.combinations_with_replacement(range(8), 2):
+            want = any(low <= n <= high for n in lengths.get(prefix, ()))
+            assert nfa.can_finish(state, len(prefix), low, high) == want, (prefix, low, high)
+    assert nfa.can_finish(nfa.initial(), 0, 5, None) == any(len(m) >= 5 for m in matching) or "*" in pattern \
+        or "+" in pattern
+
+
+def test_a_length_bound_far_beyond_the_pattern_is_answered_without_counting_to_it():
+    nfa = compile_pattern(r"^(?:ab)+$")
+    assert nfa.can_finish(nfa.initial(), 0, 2**62, 2**62) and not nfa.can_finish(nfa.initial(), 0, 2**62 + 1, 2**62 + 1)
+
+
+def _valid_format(name: str, text: str) -> bool:
+    if name == "date":
+        return datetime.date.fromisoformat(text) is not None
+    if name in ("time", "date-time"):
+        parsed = text.replace("Z", "+00:00")
+        return (datetime.time.fromisoformat(parsed) if name == "time" else datetime.datetime.fromisoformat(parsed)) \
+            is not None
+    if name == "uuid":
+        return str(uuid.UUID(text)) == text
+    if name == "ipv4":
+        return isinstance(ipaddress.ip_address(text), ipaddress.IPv4Address)
+    return re.fullmatch(r"[^@\s]+@[^@\s]+\.[^@\s]+", text) is not None  # email
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_every_value_a_format_admits_is_valid(name):
+    nfa, rng = compile_pattern(FORMATS[name]), random.Random(8)
+    alphabet = "0123456789abcdefABCDEFZTxyz-:.+@_"
+    walked = [t for t in (_walk(nfa, rng, alphabet, most=120) for _ in range(300)) if t is not None]
+    assert len(walked) > 50
+    for text in walked:
+        assert _valid_format(name, text), text
+
+
+@pytest.mark.parametrize("pattern, refused", [
+    ("(?=a)", "lookaround"), ("(?<!a)b", "lookaround"), ("(?i)a", "flag"), (r"(a)\1", r"\\1"), (r"\bword", r"\\b"),
+    ("a^b", "inside the pattern"), ("a|^b", "inside the pattern"), ("a$b", "inside the pattern"), ("a{,3}", "{,m}"), ("b+{1,3}", "multiple repeat"),
+    ("a{300}", "more than 256"), ("[b-a]", "bad character range"), ("(ab", "missing \\)"), ("[^\\D]", "negated class"),
+    (5, "a regular expression"),
+])
+def test_what_a_pattern_cannot_be_read_as_is_refused(pattern, refused):
+    with pytest.raises(ValueError, match=refused):
+        compile_pattern(pattern)
