@@ -14,10 +14,10 @@ schema allows, written the way OpenAI's structured outputs write it:
 - a number with bounds (minimum, maximum, exclusiveMinimum, exclusiveMaximum) is written without an
   exponent, and only as far as it can still end within them (engine.number_bounds).
 - a string with a `pattern` (engine.regex_nfa) or a `format` (FORMATS: the formats as patterns that
-  admit only valid values, e.g. no date past the 28th of February) is written only as far as its
-  decoded text can still match, within its length bounds.
-Keywords that would need more than this (multipleOf, minProperties, other formats, ...) are refused with a
-ValueError naming the keyword and where it is, never ignored: an answer that ignored them could fail
+  admit only valid values, e.g. no date past the 28th of February; UNCHECKED_FORMATS, hints, admit
+  any) is written only as far as its decoded text can still match, within its length bounds.
+Keywords that would need more than this (multipleOf, minProperties, other formats, ...) are refused
+with a ValueError naming the keyword and where it is, never ignored: an answer that ignored them could fail
 the user's validation.
 """
 from __future__ import annotations
@@ -274,25 +274,30 @@ _DAY = "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]
 _TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _HEX = "[0-9a-f]"
-FORMATS = {  # each admits valid values only: no year before 1000, no 29th of February (leap or not)
+_LABEL = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DOMAIN = f"{_LABEL}(?:\\.{_LABEL})*\\.[A-Za-z]{{2,24}}"
+FORMATS = {  # each admits valid values only: no year before 1000, no 29th of February (leap or not), ...
     "date": f"^[1-9][0-9]{{3}}-{_DAY}$",
     "time": f"^{_TIME}$",
     "date-time": f"^[1-9][0-9]{{3}}-{_DAY}T{_TIME}$",
     "uuid": f"^{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}$",
-    "email": "^[A-Za-z0-9_+-]+(?:\\.[A-Za-z0-9_+-]+)*@[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-             "(?:\\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\\.[A-Za-z]{2,24}$",
+    "email": f"^[A-Za-z0-9_+-]+(?:\\.[A-Za-z0-9_+-]+)*@{_DOMAIN}$",
+    "hostname": f"^{_DOMAIN}$",
+    "uri": f"^https?://{_DOMAIN}(?:/[A-Za-z0-9._~-]+)*/?$",
     "ipv4": f"^{_OCTET}(?:\\.{_OCTET}){{3}}$",
 }
+UNCHECKED_FORMATS = {"password", "binary"}  # hints that pydantic writes (SecretStr, bytes): any string is valid
 
 
 def _string_pattern(schema: dict, where: str) -> Nfa | None:
-    """The NFA of a string's `pattern` or `format` (one of them at most), or None."""
-    if "pattern" in schema and "format" in schema:
-        raise ValueError(f"{where}: a pattern beside a format is not supported (fold the format into the pattern)")
-    if "format" in schema:
-        name = schema["format"]
-        if not isinstance(name, str) or name not in FORMATS:
-            raise ValueError(f"{where}.format: {name!r} is not supported (supported: {', '.join(FORMATS)})")
+    """The NFA of a string's `pattern` or `format` (one of them at most, besides a hint), or None."""
+    name = schema.get("format")
+    if name is not None and not (isinstance(name, str) and (name in FORMATS or name in UNCHECKED_FORMATS)):
+        raise ValueError(f"{where}.format: {name!r} is not supported (supported: {', '.join(FORMATS)}, and "
+                         f"{', '.join(sorted(UNCHECKED_FORMATS))}, which admit any string)")
+    if name in FORMATS:
+        if "pattern" in schema:
+            raise ValueError(f"{where}: a pattern beside a format is not supported (fold the format into the pattern)")
         return compile_pattern(FORMATS[name], f"{where}.format")
     if "pattern" in schema:
         return compile_pattern(schema["pattern"], f"{where}.pattern")

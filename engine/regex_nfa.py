@@ -17,28 +17,43 @@ import re
 from dataclasses import dataclass, field
 
 MAX_REPEAT = 256  # the largest count a {n,m} may give; each copy is more positions
-_SPACES = " \t\n\r\f\v\u00a0\u1680\u2028\u2029\u202f\u205f\u3000\ufeff" + "".join(map(chr, range(0x2000, 0x200B)))
-_CLASS_ESCAPES = {"d": ((48, 57),), "w": ((48, 57), (65, 90), (95, 95), (97, 122)),
-                  "s": tuple((ord(c), ord(c)) for c in _SPACES)}
+_ECMA_SPACES = " \t\n\r\f\v\u00a0\u1680\u2028\u2029\u202f\u205f\u3000\ufeff" + "".join(map(chr, range(0x2000, 0x200B)))
+# ECMA reads \d \w \s in ASCII (\s: _ECMA_SPACES), Python's re in Unicode: a class escape admits what both
+# read in it, and a negated one (or one inside [^...]) only what neither does
+_WORD = ((48, 57), (65, 90), (95, 95), (97, 122))
+_ESCAPE_RANGES = {"d": ((48, 57),), "w": _WORD, "s": tuple((ord(c), ord(c)) for c in _ECMA_SPACES)}
+_IN_BOTH = {"d": ((48, 57),), "w": _WORD, "s": tuple((ord(c), ord(c)) for c in _ECMA_SPACES if c.isspace())}
+_PYTHON_READS = {"d": str.isdecimal, "w": lambda c: c.isalnum() or c == "_", "s": str.isspace}
 _CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
+_SURROGATES = (0xD800, 0xDFFF)
 
 
 @dataclass(frozen=True)
 class CharClass:
-    """The characters of some code point ranges (inclusive), or all others (`negated`)."""
+    """The characters of some code point ranges (inclusive), or all others (`negated`); a negated class
+    also leaves out the characters Python's re reads as `unless`'s escapes ("d", "w", "s")."""
 
     ranges: tuple[tuple[int, int], ...]
     negated: bool = False
+    unless: tuple[str, ...] = ()
 
     def __contains__(self, ch: str) -> bool:
         code = ord(ch)
-        return any(low <= code <= high for low, high in self.ranges) != self.negated
+        if any(low <= code <= high for low, high in self.ranges):
+            return not self.negated
+        return self.negated and not any(_PYTHON_READS[name](ch) for name in self.unless)
+
+    def writable(self) -> bool:
+        """Some character of the class can be written in a JSON string (a lone surrogate cannot)."""
+        if self.negated:
+            return True  # no pattern Python compiles leaves out every other character here
+        return any(low < _SURROGATES[0] or high > _SURROGATES[1] for low, high in self.ranges)
 
     def example(self) -> str | None:
         """A printable character of the class, for a shortest completion: None when none is found."""
         for code in (*range(ord("a"), ord("z") + 1), *range(ord("0"), ord("9") + 1), *range(ord("A"), ord("Z") + 1),
                      *range(0x20, 0x7F), *(low for low, _ in self.ranges)):
-            if chr(code) in self and code >= 0x20:
+            if code >= 0x20 and not _SURROGATES[0] <= code <= _SURROGATES[1] and chr(code) in self:
                 return chr(code)
         return None
 
@@ -281,6 +296,9 @@ class _Parser:
         low, high = self._quantifier()
         if (low, high) == (1, 1):
             return fragment
+        if high == 0:  # x{0}: the empty string
+            empty = self.nfa.add()
+            return empty, empty
         if self._peek() == "?":  # lazy: the same strings
             self.at += 1
         resume = self.at
@@ -361,7 +379,8 @@ class _Parser:
 
     def _single(self, cls: CharClass) -> tuple[int, int]:
         start, end = self.nfa.add(), self.nfa.add()
-        self.nfa.moves[start].append((cls, end))
+        if cls.writable():  # else nothing passes: the positions behind it are dead
+            self.nfa.moves[start].append((cls, end))
         return start, end
 
     def _escape(self, in_class: bool) -> int | CharClass:
@@ -371,8 +390,11 @@ class _Parser:
         if ch is None:
             self._fail("a pattern that ends in a backslash")
         self.at += 1
-        if ch.lower() in _CLASS_ESCAPES:
-            return CharClass(_CLASS_ESCAPES[ch.lower()], negated=ch.isupper())
+        if ch.lower() in _ESCAPE_RANGES:
+            name = ch.lower()
+            if ch.isupper():
+                return CharClass(_ESCAPE_RANGES[name], negated=True, unless=(name,))
+            return CharClass(_IN_BOTH[name], unless=(name,))  # `unless` marks it an escape, for [^...]
         if ch in _CHAR_ESCAPES:
             code = ord(_CHAR_ESCAPES[ch])
         elif ch in "xu":
@@ -396,6 +418,7 @@ class _Parser:
         if negated:
             self.at += 1
         ranges: list[tuple[int, int]] = []
+        unless: list[str] = []
         first = True
         while True:
             ch = self._peek()
@@ -409,7 +432,9 @@ class _Parser:
             if isinstance(low, CharClass):
                 if low.negated:
                     self._fail("a negated class escape (\\D, \\W, \\S) inside a class")
-                ranges.extend(low.ranges)
+                name = low.unless[0]
+                ranges.extend(_ESCAPE_RANGES[name] if negated else _IN_BOTH[name])
+                unless.append(name)
                 continue
             if self._peek() == "-" and self.at + 1 < len(self.text) and self.text[self.at + 1] != "]":
                 self.at += 1
@@ -419,7 +444,7 @@ class _Parser:
                 ranges.append((low, high))
             else:
                 ranges.append((low, low))
-        return CharClass(tuple(ranges), negated)
+        return CharClass(tuple(ranges), negated, tuple(unless) if negated else ())
 
     def _class_member(self) -> int | CharClass:
         if self._peek() == "\\":

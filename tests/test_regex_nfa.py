@@ -7,6 +7,7 @@ import ipaddress
 import itertools
 import random
 import re
+import urllib.parse
 import uuid
 
 import pytest
@@ -96,23 +97,53 @@ def _valid_format(name: str, text: str) -> bool:
         return str(uuid.UUID(text)) == text
     if name == "ipv4":
         return isinstance(ipaddress.ip_address(text), ipaddress.IPv4Address)
+    if name in ("hostname", "uri"):
+        host = urllib.parse.urlsplit(text).hostname if name == "uri" else text
+        labels = host.split(".")
+        return (name == "hostname" or urllib.parse.urlsplit(text).scheme in ("http", "https")) and len(labels) > 1 \
+            and all(0 < len(label) <= 63 and not label.startswith("-") and not label.endswith("-") for label in labels)
     return re.fullmatch(r"[^@\s]+@[^@\s]+\.[^@\s]+", text) is not None  # email
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_every_value_a_format_admits_is_valid(name):
     nfa, rng = compile_pattern(FORMATS[name]), random.Random(8)
-    alphabet = "0123456789abcdefABCDEFZTxyz-:.+@_"
+    alphabet = "0123456789abcdefABCDEFZTxyz-:.+@_/htps"
     walked = [t for t in (_walk(nfa, rng, alphabet, most=120) for _ in range(300)) if t is not None]
     assert len(walked) > 50
     for text in walked:
         assert _valid_format(name, text), text
 
 
+ODD_CHARACTERS = ["a", "_", "é", "\u0663", "5", " ", "\x1c", "\ufeff", "\u2028", "\n", "\u00a0", "\u0085", "-"]
+ECMA_SPACES = set(" \t\n\r\f\v\u00a0\u1680\u2028\u2029\u202f\u205f\u3000\ufeff" + "".join(map(chr, range(0x2000, 0x200B))))
+ECMA = {"d": lambda c: "0" <= c <= "9", "w": lambda c: c.isascii() and (c.isalnum() or c == "_"),
+        "s": lambda c: c in ECMA_SPACES}
+
+
+@pytest.mark.parametrize("escape", ["d", "w", "s"])
+def test_a_class_escape_admits_only_what_both_ecma_and_python_read_in_it(escape):
+    """ECMA reads \\d \\w \\s in ASCII, Python's re (jsonschema's) in Unicode: an Arabic-Indic three is a
+    digit to one and not the other. Every character a class admits is in it (or out of it, negated) for
+    both, so an answer validates whichever engine checks it."""
+    for pattern, inside in ((f"^\\{escape}$", True), (f"^[\\{escape}]$", True), (f"^\\{escape.upper()}$", False),
+                            (f"^[^\\{escape}]$", False)):
+        nfa = compile_pattern(pattern)
+        for ch in ODD_CHARACTERS:
+            if _matches(nfa, ch):
+                assert re.search(pattern, ch) and ECMA[escape](ch) == inside, (pattern, ch)
+
+
+def test_a_repeat_of_none_is_the_empty_string():
+    assert _matches(compile_pattern("^a{0}b$"), "b") and not _matches(compile_pattern("^a{0}b$"), "ab")
+    assert _matches(compile_pattern("^(ab){0,0}c$"), "c")
+
+
 @pytest.mark.parametrize("pattern, refused", [
     ("(?=a)", "lookaround"), ("(?<!a)b", "lookaround"), ("(?i)a", "flag"), (r"(a)\1", r"\\1"), (r"\bword", r"\\b"),
     ("a^b", "inside the pattern"), ("a|^b", "inside the pattern"), ("a$b", "inside the pattern"), ("a{,3}", "{,m}"), ("b+{1,3}", "multiple repeat"),
     ("a{300}", "more than 256"), ("[b-a]", "bad character range"), ("(ab", "missing \\)"), ("[^\\D]", "negated class"),
+    ("^[\\ud800-\\udfff]$", "matches no string"),  # lone surrogates, which no JSON text decodes to
     (5, "a regular expression"),
 ])
 def test_what_a_pattern_cannot_be_read_as_is_refused(pattern, refused):
