@@ -386,3 +386,41 @@ def test_a_mutated_schema_compiles_or_is_refused_with_a_value_error():
         for ch in '{"a": [1, "x"], "b": -2.5}'[: rng.randint(1, 20)]:
             state = grammar.step(state, ch) if state not in (None, DONE) else state
     assert compiled > 100  # the rest refused
+
+
+def test_answers_to_a_pydantic_models_schema_validate_as_that_model():
+    """What `client.chat.completions.parse(response_format=Model)` sends: pydantic's own schema, with its
+    bounds, patterns and formats; every answer the grammar completes is a valid Model."""
+    import datetime
+    import uuid
+    from typing import Annotated, Literal
+
+    from pydantic import BaseModel, Field
+
+    class Booking(BaseModel):
+        guest: Annotated[str, Field(min_length=1, max_length=12)]
+        room: Annotated[str, Field(pattern=r"^[A-D][0-9]{3}$")]
+        nights: Annotated[int, Field(ge=1, le=14)]
+        price: Annotated[float, Field(gt=0, lt=10000)]
+        arrival: datetime.date
+        booked_at: datetime.datetime
+        reference: uuid.UUID
+        kind: Literal["single", "double"]
+
+    schema = Booking.model_json_schema()
+    grammar = _grammar(schema)
+    alphabet = sorted(set('{}[]:,"\\ -.+0123456789abcdefZT') | set("".join(grammar.literal_texts()))
+                      | grammar.completion_characters())
+    rng, completed = random.Random(2), 0
+    for _ in range(60):
+        state, text = grammar.start, ""
+        while state != DONE and len(text) < 600:
+            nexts = [(ch, s) for ch in alphabet for s in [grammar.step(state, ch)] if s is not None]
+            assert nexts, f"dead end after {text!r}"
+            closing = [n for n in nexts if n[0] in '"}'] if len(text) > 60 else []
+            ch, state = rng.choice(closing if closing and rng.random() < 0.5 else nexts)
+            text += ch
+        if state == DONE:
+            completed += 1
+            Booking.model_validate_json(text)
+    assert completed > 20
