@@ -26,18 +26,19 @@ JSON_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n",
 
 
 
+MAX_CACHED_STEPS = 1 << 17  # for all schemas together: a step's states are kept while it is cached
+_STEPS: dict = {}
+
+
 class SchemaGrammar(CharGrammar):
     """The answers a compiled schema admits, character by character. Hashed by identity: one per
     schema (see `schema_grammar`), so that requests sending the same schema share its masks."""
-
-    MAX_CACHED_STEPS = 1 << 18
 
     def __init__(self, program: Program, max_depth: int = 32, max_whitespace: int = 24):
         self.nodes = program.nodes
         self.depth = program.depth
         self.max_depth = max_depth
         self.max_whitespace = max_whitespace
-        self._steps: dict = {}
         self.start = frozenset((frames, 0) for frames in self._pushes((), program.root))
         if not self.start:
             raise ValueError(f"schema: its values need more than {max_depth} nested containers")
@@ -45,12 +46,12 @@ class SchemaGrammar(CharGrammar):
     def step(self, state, ch: str):
         """The state after `ch` (None: it cannot come next). Cached: a token mask runs thousands of
         tokens through the same states, and tokens share their beginnings."""
-        key = (state, ch)
-        after = self._steps.get(key, self)
-        if after is self:
-            if len(self._steps) >= self.MAX_CACHED_STEPS:
-                self._steps.clear()
-            after = self._steps[key] = self._step_all(state, ch)
+        key = (self, state, ch)
+        after = _STEPS.get(key, _STEPS)
+        if after is _STEPS:
+            if len(_STEPS) >= MAX_CACHED_STEPS:
+                _STEPS.clear()
+            after = _STEPS[key] = self._step_all(state, ch)
         return after
 
     def _step_all(self, state, ch: str):

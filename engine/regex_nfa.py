@@ -102,7 +102,7 @@ class Nfa:
         key = (state, ch)
         after = self._steps.get(key)
         if after is None:
-            if len(self._steps) >= 1 << 18:
+            if len(self._steps) >= 1 << 15:
                 self._steps.clear()
             after = self._steps[key] = self.closure(
                 [nxt for position in state for cls, nxt in self.moves[position] if ch in cls])
