@@ -222,7 +222,9 @@ class SchemaGrammar(CharGrammar):
         after = node.pattern.step(positions, decoded)
         if not after or not node.pattern.can_finish(after, count + 1, node.min_length, node.max_length):
             return []
-        return [(below + (("p", index, count + 1, "", after),), 0)]
+        # counted only as far as a bound needs, so that states (and their masks) repeat along the text
+        count = count + 1 if node.max_length is not None else min(count + 1, node.min_length)
+        return [(below + (("p", index, count, "", after),), 0)]
 
     def _literal(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
         _, index, written = top
