@@ -23,9 +23,6 @@ from engine.json_constraint import (ESCAPES, HEX, JSON_CHARACTERS, NUMBER_ENDS, 
 from engine.json_schema import Program, compile_schema, schema_key
 
 JSON_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}  # -> the character
-
-
-
 MAX_CACHED_STEPS = 1 << 17  # for all schemas together: a step's states are kept while it is cached
 _STEPS: dict = {}
 

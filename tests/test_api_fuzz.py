@@ -1,7 +1,8 @@
 """Bad input never crashes the API: valid requests of every kind, mutated at random (a field removed,
-renamed, replaced by a value of another type or size, or an unknown or extra field added), are answered with
-a 2xx or a 4xx, never a 5xx or an exception, and in time. It found a schema whose `required` held a
-list, which raised TypeError inside the schema compiler (a 500)."""
+renamed, replaced by a value of another type or size, or an unknown or extra field added), are
+answered with a 2xx or a 4xx, never a 5xx or an exception, and in time. Run wide it found schemas the
+compiler raised TypeError on, an earlier tool call without a function (KeyError), and a seed past 64
+bits that stopped the engine (README, "Bad input")."""
 from __future__ import annotations
 
 import copy
