@@ -2,7 +2,7 @@
 renamed, replaced by a value of another type or size, or an unknown or extra field added), are
 answered with a 2xx or a 4xx, never a 5xx or an exception, and in time. Run wide it found schemas the
 compiler raised TypeError on, an earlier tool call without a function (KeyError), and a seed past 64
-bits that stopped the engine (README, "Bad input")."""
+bits that stopped the engine (README, the paragraph on bad input under Quick start)."""
 from __future__ import annotations
 
 import copy
