@@ -11,12 +11,13 @@ schema allows, written the way OpenAI's structured outputs write it:
 - `oneOf` is decoded as `anyOf`: a value that matched two of its alternatives would not validate,
   which alternatives that differ by a `const` or `enum` (tagged unions, as pydantic writes them)
   never do.
-- a number with bounds (minimum, maximum, exclusiveMinimum, exclusiveMaximum) is written without an
-  exponent, and only as far as it can still end within them (engine.number_bounds).
+- a number with bounds (minimum, maximum, exclusiveMinimum, exclusiveMaximum, a whole multipleOf) is
+  written without an exponent (with a multipleOf, as an integer), and only as far as it can still end
+  within them (engine.number_bounds).
 - a string with a `pattern` (engine.regex_nfa) or a `format` (FORMATS: the formats as patterns that
   admit only valid values, e.g. no date past the 28th of February; UNCHECKED_FORMATS, hints, admit
   any) is written only as far as its decoded text can still match, within its length bounds.
-Keywords that would need more than this (multipleOf, minProperties, other formats, ...) are refused
+Keywords that would need more than this (uniqueItems, minProperties, other formats, ...) are refused
 with a ValueError naming the keyword and where it is, never ignored: an answer that ignored them could fail
 the user's validation.
 """

@@ -250,7 +250,7 @@ class SchemaGrammar(CharGrammar):
         end within them, and no exponent (whose value the prefix cannot bound)."""
         _, index, phase, digits, text = top
         node = self.nodes[index]
-        nxt = number_step(phase, digits, ch, integer=node.kind == "integer")
+        nxt = number_step(phase, digits, ch, integer=node.bounds.integer)  # a multipleOf's number is written whole
         if nxt is not None and nxt[0] not in ("exp", "expsign", "expdigit"):
             return [(below + (("r", index, *nxt, text + ch),), 0)] if node.bounds.reachable(text + ch) else []
         if phase in NUMBER_ENDS and node.bounds.admits(Fraction(text)):

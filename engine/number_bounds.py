@@ -1,5 +1,6 @@
-"""Numeric bounds of a JSON Schema (`minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`) as
-the schema grammar needs them: whether a number written so far can still be finished within them.
+"""Numeric bounds of a JSON Schema (`minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, and
+a whole `multipleOf`) as the schema grammar needs them: whether a number written so far can still be
+finished within them.
 
 Values are exact: the schema's 0.1 is the decimal 1/10, as the answer "0.1" is, never the nearest
 double. A bounded number is written without an exponent, at most NUMBER_DIGITS digits a part, as every
@@ -15,7 +16,8 @@ from fractions import Fraction
 
 from engine.json_constraint import NUMBER_DIGITS
 
-BOUND_WORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+RANGE_WORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+BOUND_WORDS = (*RANGE_WORDS, "multipleOf")
 _LIMIT = 10**NUMBER_DIGITS  # integer parts stay below it, and fractions are multiples of its inverse
 
 
@@ -26,13 +28,16 @@ def exact(value) -> Fraction:
 
 @dataclass(frozen=True)
 class NumberRange:
-    """low <= value <= high, either end open (strict) or absent; `integer`: whole numbers only."""
+    """low <= value <= high, either end open (strict) or absent; `integer`: whole numbers only; `step`:
+    multiples of it only (a whole number: then the number is written as an integer, which any validator
+    divides exactly, where a float's remainder would round)."""
 
     low: Fraction | None = None
     low_open: bool = False
     high: Fraction | None = None
     high_open: bool = False
     integer: bool = False
+    step: int = 1
     # the least and the greatest writable number within the bounds, in grid units (None: unbounded)
     least: int | None = field(init=False, default=None, repr=False)
     greatest: int | None = field(init=False, default=None, repr=False)
@@ -56,7 +61,7 @@ class NumberRange:
         """The bounds a schema sets (None: none); ValueError naming the keyword when one is not a number,
         or when no number of the kind lies within them."""
         given = {}
-        for word in BOUND_WORDS:
+        for word in RANGE_WORDS:
             if word not in schema:
                 continue
             value = schema[word]
@@ -66,18 +71,23 @@ class NumberRange:
                 given[word] = exact(value)
             else:
                 raise ValueError(f"{where}.{word}: a number, not {value!r}")
-        if not given:
+        step = schema.get("multipleOf", 1)
+        if isinstance(step, float) and step.is_integer():
+            step = int(step)
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ValueError(f"{where}.multipleOf: only a whole number above 0 is supported, not {step!r}")
+        if not given and "multipleOf" not in schema:
             return None
         low, low_open = _tighter(given, "minimum", "exclusiveMinimum", max)
         high, high_open = _tighter(given, "maximum", "exclusiveMaximum", min)
-        bounds = cls(low, low_open, high, high_open, integer)
+        bounds = cls(low, low_open, high, high_open, integer or "multipleOf" in schema, step)
         if not bounds.reachable(""):
             raise ValueError(f"{where}: no {'integer' if integer else 'number'} lies within its bounds "
                              f"(of at most {NUMBER_DIGITS} digits a part)")
         return bounds
 
     def admits(self, value: Fraction) -> bool:
-        if self.integer and value.denominator != 1:
+        if self.integer and (value.denominator != 1 or value.numerator % self.step):
             return False
         if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
             return False
@@ -97,7 +107,7 @@ class NumberRange:
                 first = max(first, self.least)
             if self.greatest is not None:
                 last = min(last, self.greatest)
-            if first <= last:
+            if -(-first // self.step) * self.step <= last:  # a multiple of the step (of 1, without one)
                 return True
         return False
 
@@ -117,7 +127,9 @@ def _tighter(given: dict, word: str, exclusive_word: str, pick) -> tuple[Fractio
 def _magnitudes(whole: str, fraction: str | None, unit: int) -> list[tuple[int, int]]:
     """The magnitudes, in grid units of which `unit` make 1 (half-open intervals), of the numbers that
     continue a text of integer part `whole` and, after a written point, fraction part `fraction`."""
-    if fraction is not None:  # unit is _LIMIT: an integer has no point
+    if fraction is not None:
+        if unit == 1:  # an integer has no point
+            return []
         step = _LIMIT // 10 ** len(fraction)
         start = int(whole) * unit + int(fraction or 0) * step
         return [(start, start + step)]

@@ -63,6 +63,8 @@ BOUNDED = {  # numeric bounds as pydantic writes them (ge, gt, le, lt), tight an
         "whole": {"type": "integer", "minimum": 0.5, "maximum": 2.5},
         "big": {"type": ["integer", "null"], "minimum": 1000},
         "level": {"enum": [1, 5, 9, "max"], "maximum": 5},
+        "even": {"type": "integer", "multipleOf": 2, "exclusiveMinimum": -7, "maximum": 9},
+        "round": {"type": "number", "multipleOf": 25.0},
     },
     "required": ["count", "ratio", "below", "window", "exact", "whole"],
 }
@@ -135,6 +137,10 @@ def _grammar(schema) -> SchemaGrammar:
     (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":3}', False),
     (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1,"big":999}', False),
     (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1,"level":9}', False),
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1,"even":-6,"round":-75}', True),
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1,"even":5}', False),
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1,"even":-8}', False),
+    (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1,"round":30}', False),
     (FREE, '{"a":}', False),
 ])
 def test_the_grammar_agrees_with_the_reference_validator(schema, text, valid):
@@ -243,7 +249,8 @@ def test_every_answer_the_grammar_completes_validates(name):
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^ab$", "minLength": 3}}}, "no string of 3"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a", "format": "date"}}}, "beside a format"),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "ipv6"}}}, "a.format: 'ipv6'"),
-    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}, "'multipleOf'"),
+    ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.01}}}, "multipleOf: only a whole"),
+    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "'uniqueItems'"),
     ({"type": "object", "properties": {"a": {"type": "number", "minimum": 5, "maximum": 3}}}, "no number lies within"),
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0.2, "maximum": 0.8}}}, "no integer"),
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 10**20}}}, "no integer"),  # over 19 digits
@@ -353,10 +360,10 @@ def test_structured_outputs_on_the_api(json_engine):  # noqa: F811
     for answer in finished:
         jsonschema.validate(answer, SMALL)
     assert both.value.param == "guided_json" and spelling.value.param == "guided_json"
-    with pytest.raises(ValueError, match="'multipleOf' is not supported"):
+    with pytest.raises(ValueError, match="'uniqueItems' is not supported"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {
-                "type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}}})
+                "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}})
 
 
 def _parses(text: str) -> bool:

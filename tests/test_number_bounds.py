@@ -17,17 +17,19 @@ PREFIXES = {"", "-", *(str(n)[:k] for n in range(-300, 301) for k in range(1, 5)
 
 
 def test_integer_prefixes_agree_with_counting_every_integer():
-    """Against brute force: a prefix is reachable exactly when some integer within the bounds is
-    written with it ("" and "-" among the prefixes) (bounds kept within +-300, so no integer outside that range counts)."""
+    """Against brute force: a prefix is reachable exactly when some integer within the bounds (and a
+    multiple of its multipleOf) is written with it ("" and "-" among the prefixes) (bounds kept within +-300, so no integer outside that range counts)."""
     rng = random.Random(5)
     for _ in range(200):
         low, high = sorted(rng.randint(-300, 300) for _ in range(2))
         schema = {"exclusiveMinimum" if rng.random() < 0.3 else "minimum": low,
-                  "exclusiveMaximum" if rng.random() < 0.3 else "maximum": high}
+                  "exclusiveMaximum" if rng.random() < 0.3 else "maximum": high,
+                  **({"multipleOf": rng.choice([2, 3, 7, 50.0])} if rng.random() < 0.4 else {})}
         try:
             bounds = _range(schema, integer=True)
         except ValueError:
-            assert low + 1 >= high  # only an open window of no integer is refused
+            step = int(schema.get("multipleOf", 1))
+            assert not any(low <= n <= high and n % step == 0 for n in range(low, high + 1)) or low + 1 >= high
             continue
         inside = [str(n) for n in range(-300, 301) if bounds.admits(Fraction(n))]
         inside += ["-0"] if "0" in inside else []  # JSON's -0, which is 0
@@ -70,3 +72,12 @@ def test_the_tighter_of_inclusive_and_exclusive_bounds_holds():
 def test_a_window_finer_than_the_grammar_writes_is_refused():
     with pytest.raises(ValueError, match="no number lies within"):
         _range({"exclusiveMinimum": 0, "exclusiveMaximum": 1e-20})
+
+
+def test_a_whole_multiple_of_writes_whole_numbers_and_anything_else_is_refused():
+    bounds = _range({"multipleOf": 2.0, "minimum": 1})
+    assert bounds.integer and bounds.admits(Fraction(4)) and not bounds.admits(Fraction(3))
+    assert not bounds.reachable("4.")  # a float's remainder would round in a validator: written whole
+    for step in (0.5, 0, -2, "2", True):
+        with pytest.raises(ValueError, match="multipleOf: only a whole number"):
+            _range({"multipleOf": step})
