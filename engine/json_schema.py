@@ -147,9 +147,7 @@ class _Compiler:
         if isinstance(types, list):
             if not types:
                 raise ValueError(f"{where}.type: an empty list admits no value")
-            for t in types:
-                if not isinstance(t, str):
-                    raise ValueError(f"{where}.type: {t!r} is not a JSON Schema type ({', '.join(TYPES)})")
+            _check_types(types, where)  # before dict.fromkeys, which hashes them
             return self.add(Node("any_of", options=tuple(
                 self.typed(schema, t, f"{where}.type") for t in dict.fromkeys(types))))
         return self.typed(schema, types, where)
@@ -200,9 +198,7 @@ class _Compiler:
         types = schema.get("type")
         if types is not None:
             types = types if isinstance(types, list) else [types]
-            for t in types:
-                if t not in TYPES:  # a list or object here would not even hash
-                    raise ValueError(f"{where}.type: {t!r} is not a JSON Schema type ({', '.join(TYPES)})")
+            _check_types(types, where)
             values = [v for v in values if any(_is_type(v, t) for t in types)]
             if not values:
                 raise ValueError(f"{where}: no value of its enum or const has its type {types}")
@@ -288,6 +284,14 @@ FORMATS = {  # each admits valid values only: no year before 1000, no 29th of Fe
     "ipv4": f"^{_OCTET}(?:\\.{_OCTET}){{3}}$",
 }
 UNCHECKED_FORMATS = {"password", "binary"}  # hints that pydantic writes (SecretStr, bytes): any string is valid
+
+
+def _check_types(types: list, where: str) -> None:
+    """ValueError naming the first entry of a type list that is no JSON Schema type (a list or an object
+    there would otherwise raise TypeError where it is hashed)."""
+    for t in types:
+        if t not in TYPES:
+            raise ValueError(f"{where}.type: {t!r} is not a JSON Schema type ({', '.join(TYPES)})")
 
 
 def _string_pattern(schema: dict, where: str) -> Nfa | None:

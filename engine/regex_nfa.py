@@ -75,7 +75,6 @@ class Nfa:
     longest: list = field(default_factory=list)
     _profiles: dict = field(default_factory=dict, repr=False)
     _steps: dict = field(default_factory=dict, repr=False)
-    _longests: dict = field(default_factory=dict, repr=False)
 
     def add(self) -> int:
         self.moves.append([])
@@ -116,7 +115,7 @@ class Nfa:
         within [low, high] (high None: no most): exact, so that a string is never begun, nor a character
         taken, that leaves no way to close the string."""
         if high is None:
-            return written + self._longest_of(state) >= low
+            return written + max(self.longest[p] for p in state) >= low
         first, last = max(low - written, 0), high - written
         ends, start = self._profile(state)
         period = len(ends) - start
@@ -127,14 +126,6 @@ class Nfa:
                 if first <= k <= last:
                     return True
         return False
-
-    def _longest_of(self, state: frozenset) -> float:
-        found = self._longests.get(state)
-        if found is None:
-            if len(self._longests) >= 1 << 16:
-                self._longests.clear()
-            found = self._longests[state] = max(self.longest[p] for p in state)
-        return found
 
     def _profile(self, state: frozenset) -> tuple[tuple[bool, ...], int]:
         """Whether a text of exactly k characters takes `state` to the end, for k = 0, 1, ... until the
@@ -219,8 +210,6 @@ def compile_pattern(pattern: str, where: str = "pattern") -> Nfa:
     body_start = 1 if anchored_start else 0
     anchored_end = pattern.endswith("$") and not _escaped_at(pattern, len(pattern) - 1)
     body_end = len(pattern) - 1 if anchored_end else len(pattern)
-    if body_end < body_start:
-        body_end = body_start
     parser.text, parser.at = pattern[:body_end], body_start
     nfa = parser.nfa
     start, end = parser.alternation()

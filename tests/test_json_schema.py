@@ -225,20 +225,30 @@ def test_every_answer_the_grammar_completes_validates(name):
     schema, grammar = SCHEMAS[name], _grammar(SCHEMAS[name])
     alphabet = sorted(set('{}[]:,"\\ -.e+0123456789abuxtrfalsn') | set("".join(grammar.literal_texts()))
                       | grammar.completion_characters() | set("ZT:@"))
-    rng, completed = random.Random(11), 0
-    for _ in range(150):
+    completed = _completed_walks(grammar, alphabet, random.Random(11), walks=150, most=400, closers='"}]',
+                                 closing_after=30, closing_odds=0.7)
+    for text in completed:
+        jsonschema.validate(json.loads(text), schema, format_checker=FORMATS_CHECKED)
+    assert len(completed) > 50
+
+
+def _completed_walks(grammar, alphabet, rng, walks: int, most: int, closers: str, closing_after: int,
+                     closing_odds: float) -> list[str]:
+    """The texts of random walks through the grammar that reached its end, a character at a time among
+    those it admits (past `closing_after` characters, one of `closers` with `closing_odds`, so that
+    walks end); asserts that no walk stops where no character may follow."""
+    completed = []
+    for _ in range(walks):
         state, text = grammar.start, ""
-        while state != DONE and len(text) < 400:
-            nexts = [(ch, grammar.step(state, ch)) for ch in alphabet]
-            nexts = [(ch, s) for ch, s in nexts if s is not None]
+        while state != DONE and len(text) < most:
+            nexts = [(ch, s) for ch in alphabet for s in [grammar.step(state, ch)] if s is not None]
             assert nexts, f"dead end after {text!r}"
-            closing = [n for n in nexts if n[0] in '"}]'] if len(text) > 30 else []
-            ch, state = rng.choice(closing if closing and rng.random() < 0.7 else nexts)
+            closing = [n for n in nexts if n[0] in closers] if len(text) > closing_after else []
+            ch, state = rng.choice(closing if closing and rng.random() < closing_odds else nexts)
             text += ch
         if state == DONE:
-            completed += 1
-            jsonschema.validate(json.loads(text), schema, format_checker=FORMATS_CHECKED)
-    assert completed > 50
+            completed.append(text)
+    return completed
 
 
 @pytest.mark.parametrize("schema, keyword", [
@@ -418,16 +428,8 @@ def test_answers_to_a_pydantic_models_schema_validate_as_that_model():
     grammar = _grammar(schema)
     alphabet = sorted(set('{}[]:,"\\ -.+0123456789abcdefZT') | set("".join(grammar.literal_texts()))
                       | grammar.completion_characters())
-    rng, completed = random.Random(2), 0
-    for _ in range(60):
-        state, text = grammar.start, ""
-        while state != DONE and len(text) < 600:
-            nexts = [(ch, s) for ch in alphabet for s in [grammar.step(state, ch)] if s is not None]
-            assert nexts, f"dead end after {text!r}"
-            closing = [n for n in nexts if n[0] in '"}'] if len(text) > 60 else []
-            ch, state = rng.choice(closing if closing and rng.random() < 0.5 else nexts)
-            text += ch
-        if state == DONE:
-            completed += 1
-            Booking.model_validate_json(text)
-    assert completed > 20
+    completed = _completed_walks(grammar, alphabet, random.Random(2), walks=60, most=600, closers='"}',
+                                 closing_after=60, closing_odds=0.5)
+    for text in completed:
+        Booking.model_validate_json(text)
+    assert len(completed) > 20
