@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -20,6 +21,8 @@ from deployments.openai_schema import (
     TokenizeRequest,
     check_model,
 )
+
+log = logging.getLogger(__name__)
 
 
 class CompletionBackend(Protocol):
@@ -46,6 +49,15 @@ def _field_path(loc: tuple) -> str:
     return ".".join(parts) or "body"
 
 
+def _as_request_error(exc: Exception) -> RequestError:
+    """What a client is told of a failure: a RequestError as it is, anything else as a 500 naming the
+    exception (the one a Ray call carried, not Ray's wrapper and its traceback)."""
+    if isinstance(exc, RequestError):
+        return exc
+    cause = getattr(exc, "cause", None) or exc
+    return RequestError(None, f"the server failed to answer this request: {type(cause).__name__}: {cause}", status=500)
+
+
 async def _answer(backend: CompletionBackend, body: OpenAIRequest):
     if not body.stream:
         return await backend.complete(body)
@@ -54,8 +66,12 @@ async def _answer(backend: CompletionBackend, body: OpenAIRequest):
 
     async def events():
         yield f"data: {json.dumps(first)}\n\n"
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except Exception as exc:  # the status is sent already: the stream ends with an error event, as vLLM's do
+            log.exception("a streamed answer failed partway")
+            yield f"data: {json.dumps(_as_request_error(exc).to_body())}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -78,6 +94,12 @@ def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight
     async def _refused(_: Request, exc: RequestError):
         headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
         return JSONResponse(status_code=exc.status, content=exc.to_body(), headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _failed(_: Request, exc: Exception):
+        # a bug or a fault: a 500 that says which, in OpenAI's shape (Starlette raises the exception on
+        # once this is sent, and the server logs it)
+        return JSONResponse(status_code=500, content=_as_request_error(exc).to_body())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -10,13 +10,18 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from engine.base import Engine
-from engine.types import GenerationRequest, Result, TokenEvent
+from engine.types import FinishReason, GenerationRequest, Result, TokenEvent
 
 log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped; requests cannot be served by this replica."""
+
+
+class RequestFaulted(RuntimeError):
+    """The engine ended this request on a fault in its own part of a step (FinishReason.ERROR); the
+    engine and the other requests went on."""
 
 
 class RequestSuperseded(RuntimeError):
@@ -88,7 +93,8 @@ class AsyncEngine:
         """Yield the request's token events as they are produced, then its `Result`.
 
         Leaving the iteration early (client gone, task cancelled) aborts the request. Streaming an id
-        that is still in flight aborts the older attempt, whose stream raises `RequestSuperseded`."""
+        that is still in flight aborts the older attempt, whose stream raises `RequestSuperseded`. A
+        request the engine ended on a fault raises `RequestFaulted` in place of its last event."""
         subscriber = _Subscriber(asyncio.get_running_loop())
 
         def add(engine: Engine) -> None:
@@ -116,6 +122,11 @@ class AsyncEngine:
                 item = await subscriber.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.finish_reason == FinishReason.ERROR:
+                    if isinstance(item, Result):
+                        done = True
+                        raise RequestFaulted(f"request '{request.id}' failed: {item.error}")
+                    continue  # its Result, which says why, comes next
                 yield item
                 if isinstance(item, Result):
                     done = True

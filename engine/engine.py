@@ -1,6 +1,7 @@
 """The transformers-backed engine: continuous batching over `LlamaRunner`, with prefix reuse."""
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -55,6 +56,7 @@ class _Sequence:
     order: int = 0  # arrival order: first come first served within a priority, kept when preempted
     preemptions: int = 0  # times a higher priority took its slot (it waited, then went on where it was)
     stop_logprob: TokenLogprob | None = None  # with logprobs: the stop token's that ended the answer
+    error: str | None = None  # with FinishReason.ERROR: the fault that ended it
 
     @property
     def tokens(self) -> list[int]:
@@ -254,7 +256,9 @@ class LLMEngine(Engine):
             allowed = min(params.max_tokens, params.length_cap or params.max_tokens) - len(s.generated)
             # each kept draft token's row gives one more token; none past the budget or the cache
             room = min(most, allowed - 1, self.max_model_len - s.num_tokens)
-            draft = lookup_draft(s.tokens, room, self.config.speculative_ngram, self.config.speculative_min_ngram)
+            draft = None
+            with self._isolated(s):
+                draft = lookup_draft(s.tokens, room, self.config.speculative_ngram, self.config.speculative_min_ngram)
             if draft:
                 drafts[id(s)] = draft
                 self._stats["draft_tokens"] += len(draft)
@@ -414,8 +418,9 @@ class LLMEngine(Engine):
                     # no logits: a preamble is never a whole prompt, so it only serves prompts that go on past it
                     self._cache_prefix(sequence, sequence.request.preamble_len, None)
                 if sequence.request.params.prompt_logprobs is not None:  # its item starts where cached scores end
-                    self._score_prompt(sequence, logits[first_row:last_row + 1])
-                    self._cache_scored_prompt(sequence, logits[last_row])
+                    with self._isolated(sequence):
+                        self._score_prompt(sequence, logits[first_row:last_row + 1])
+                        self._cache_scored_prompt(sequence, logits[last_row])
                 rows.append(logits[last_row])
                 index += 1
                 first_row += item.logit_rows
@@ -432,26 +437,57 @@ class LLMEngine(Engine):
 
     def _accept(self, batch: list[_Sequence], logits: torch.Tensor) -> None:
         """Append one sampled token to each sequence and decide whether it is done."""
-        masks = [self._allowed(s, logits.shape[-1]) for s in batch]
-        for row, mask in enumerate(masks):
-            if mask is not None and not mask.any():  # a constraint broke its promise: end that answer, not the engine
-                log.warning("request %s: its constraint allows no token after %d; the answer ends here",
-                            batch[row].request.id, len(batch[row].generated))
-                batch[row].finish, masks[row] = FinishReason.STOP, None
-        chosen = sample(logits, [s.request.params for s in batch], [s.generator for s in batch], masks,
-                        [s.generated for s in batch])
+        masks = [self._mask(s, logits.shape[-1]) for s in batch]
+        chosen = self._sample(batch, logits, masks)
         scored = self._logprobs(batch, logits, chosen)
         now = time.perf_counter()
         for row, (sequence, token) in enumerate(zip(batch, chosen)):
             if sequence.finish is not None:
                 continue
             sequence.first_token_at = sequence.first_token_at or now
-            self._take(sequence, token, scored.get(row))
-            while sequence.finish is None and sequence.constraint is not None and self.jump_forward:
-                forced = sequence.constraint.forced()
-                if forced is None:
-                    break
-                self._take(sequence, forced)  # computed in the next step's pass, after the decode token
+            with self._isolated(sequence):
+                self._take(sequence, token, scored.get(row))
+                while sequence.finish is None and sequence.constraint is not None and self.jump_forward:
+                    forced = sequence.constraint.forced()
+                    if forced is None:
+                        break
+                    self._take(sequence, forced)  # computed in the next step's pass, after the decode token
+
+    @contextlib.contextmanager
+    def _isolated(self, sequence: _Sequence):
+        """Run one request's own part of a step (its constraint, sampling, stop strings, scores): a fault
+        in it ends that request with FinishReason.ERROR, and its batch mates and the engine go on. Only
+        the batched forward pass, which no single request owns, may still stop the engine."""
+        try:
+            yield
+        except Exception as exc:
+            log.exception("request %s failed after %d tokens; it ends here, the rest of its batch goes on",
+                          sequence.request.id, len(sequence.generated))
+            sequence.finish, sequence.error = FinishReason.ERROR, f"{type(exc).__name__}: {exc}"
+
+    def _mask(self, sequence: _Sequence, width: int) -> torch.Tensor | None:
+        mask = None
+        with self._isolated(sequence):
+            mask = self._allowed(sequence, width)
+            if mask is not None and not mask.any():  # a constraint broke its promise: end that answer, not the engine
+                log.warning("request %s: its constraint allows no token after %d; the answer ends here",
+                            sequence.request.id, len(sequence.generated))
+                sequence.finish, mask = FinishReason.STOP, None
+        return mask if sequence.finish is None else None
+
+    def _sample(self, batch: list[_Sequence], logits: torch.Tensor, masks: list[torch.Tensor | None]) -> list[int]:
+        """The batch's tokens sampled together, or where that raises, row by row, so that only the rows
+        that raise fail (a seeded row draws the same either way: see `sample`)."""
+        columns = [[s.request.params for s in batch], [s.generator for s in batch], masks, [s.generated for s in batch]]
+        try:
+            return sample(logits, *columns)
+        except Exception:
+            pass
+        chosen = [0] * len(batch)  # a failed row's token is never taken
+        for row, sequence in enumerate(batch):
+            with self._isolated(sequence):
+                chosen[row] = sample(logits[row:row + 1], *[[column[row]] for column in columns])[0]
+        return chosen
 
     def _logprobs(self, batch: list[_Sequence], logits: torch.Tensor, chosen: list[int]) -> dict[int, TokenLogprob]:
         """Row -> the chosen token's log probability, for the rows whose request asks for them."""
@@ -459,8 +495,15 @@ class LLMEngine(Engine):
         if not rows:
             return {}
         tops = [batch[row].request.params.logprobs for row in rows]
-        scored = token_logprobs(logits[rows], [chosen[row] for row in rows], tops, self._token_text)
-        return dict(zip(rows, scored))
+        try:
+            return dict(zip(rows, token_logprobs(logits[rows], [chosen[row] for row in rows], tops, self._token_text)))
+        except Exception:
+            pass
+        scored = {}  # row by row: only the rows that raise fail
+        for row, top in zip(rows, tops):
+            with self._isolated(batch[row]):
+                scored[row] = token_logprobs(logits[[row]], [chosen[row]], [top], self._token_text)[0]
+        return scored
 
     def _score_prompt(self, sequence: _Sequence, logits: torch.Tensor | LogitRows) -> None:
         """Each prompt token's log probability after the first: those of its first `prefix_hit` tokens from
@@ -626,6 +669,7 @@ class LLMEngine(Engine):
             logprobs=sequence.logprobs,
             prompt_logprobs=sequence.prompt_logprobs,
             stop_logprob=sequence.stop_logprob,
+            error=sequence.error,
         )
 
     # ---- prefixes and stats ---------------------------------------------------------------------

@@ -166,6 +166,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # reached max_tokens
     CUT = "cut"  # reached the scheduler's length_cap before max_tokens: unfinished
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # a fault while serving this request alone: it ended there, its batch mates went on
 
 
 class TokenEvent(BaseModel):
@@ -203,6 +204,7 @@ class Result(BaseModel):
     kept_kv_tokens: int = Field(
         0, description="With `keep_kv`: how many leading tokens of prompt + answer were kept as a prefix (the "
         "last answer token has none when the answer ran to its length limit); 0 when nothing was kept.")
+    error: str | None = Field(None, description="With finish_reason `error`: what went wrong (the exception).")
 
     @property
     def completion_tokens(self) -> int:

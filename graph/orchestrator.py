@@ -238,7 +238,17 @@ class _PlatoRun:
         self.preamble_ids: list[int] | None = None
 
     async def execute(self) -> Answer:
-        plan_result, plan_s = await self._stream_plan()
+        try:
+            plan_result, plan_s = await self._stream_plan()
+        except ValueError:  # the request's own fault (a question too long to plan, say): the caller's to hear
+            raise
+        except Exception as exc:  # the plan's decoding failed: a plain answer may still be had
+            for task in self.tasks:  # nodes of a plan that will not be finished
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            orchestrator = Orchestrator(self.client, self.config)
+            why = f"fallback to plain decoding: the plan failed to decode ({type(exc).__name__}: {exc})"
+            return await orchestrator._ar(self.question, fallback=why, spent=self.tokens)
         self.tokens += plan_result.completion_tokens
         fallback = self.execution.plan_complete()
         if fallback:

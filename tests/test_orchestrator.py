@@ -122,6 +122,26 @@ def test_garbage_plan_falls_back_to_plain_decoding_with_the_reason():
     assert result.text == "a plain answer" and client.log[-1] == "ar"
 
 
+def test_a_plan_whose_decoding_fails_partway_falls_back_to_plain_decoding_and_stops_its_nodes():
+    class FailingPlan(ScriptedClient):
+        async def stream(self, request):
+            async for item in super().stream(request):
+                if isinstance(item, Result):  # the plan's request faulted before it finished
+                    raise RuntimeError("RequestFaulted: the plan grammar broke")
+                yield item
+
+        async def generate(self, request):
+            self.log.append("call")
+            return await super().generate(request)
+
+    client = FailingPlan(DIAMOND, node_delay=0.5)
+    result = answer(client, "plato")
+    assert result.mode == "plato" and result.text == "a plain answer"
+    assert result.fallback.startswith("fallback to plain decoding: the plan failed to decode (RuntimeError")
+    # node 1 had started while the plan streamed, and was stopped: the plain answer's call is the only other
+    assert client.log == ["plan:start", "call", "plan:end", "call", "ar"]
+
+
 def test_a_failing_node_marks_itself_and_its_dependants_but_others_finish():
     client = ScriptedClient(DIAMOND, fail_on="Use A for B")
     result = answer(client, "plato")
