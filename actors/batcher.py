@@ -76,7 +76,8 @@ class DispatchConfig(BaseModel):
 
 
 class RequestFailed(RuntimeError):
-    """The decoder refused the request (it never fits), so it is answered with this error."""
+    """The request is answered with this error: the decoder refused it (it never fits) or failed on it
+    alone, or its micro-batch failed too often (BatcherConfig.max_failed_attempts)."""
 
 
 def _refusal(batch: dict, request_id: str) -> Result:
@@ -413,6 +414,10 @@ class BatcherActor:
         final = {r.request_id: r for r in self.core.report(batch_id, parsed, partial, _logprobs(partial_logprobs))}
         for result in parsed:
             self._settle(final.get(result.request_id), result, (refused or {}).get(result.request_id))
+        reported = {r.request_id for r in parsed}
+        for result in final.values():  # failed too often to be re-queued again
+            if result.request_id not in reported:
+                self._settle(result, result)
         self._wake_if_pending()
         return len(final)
 
@@ -425,6 +430,8 @@ class BatcherActor:
             if self.observer is not None:
                 self.observer.finished(predicted, final.completion_tokens)
             waiter = self._waiters.get(final.request_id)
+            if final.finish_reason == FinishReason.ERROR:
+                refused = refused or final.error
             if waiter is not None and not waiter.done():
                 if refused is not None:
                     self.counts["refused"] += 1
@@ -442,8 +449,8 @@ class BatcherActor:
     async def fail(self, batch_id: str, partial: dict[str, list[int]] | None = None,
                    partial_logprobs: dict[str, list[dict]] | None = None) -> int:
         """The batch will not be finished (its decoder died): re-queue it; returns how many requests."""
-        count = self.core.fail(batch_id, partial, _logprobs(partial_logprobs))
-        self._wake_if_pending()
+        count = self.core.left_in(batch_id)
+        await self.report(batch_id, [], partial=partial or {}, partial_logprobs=partial_logprobs)
         return count
 
     async def stats(self) -> dict:

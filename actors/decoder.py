@@ -12,26 +12,47 @@ finishes, before its result goes back, so a child node's follow-up prompt finds 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import sys
 from collections import defaultdict
+from collections.abc import Callable
 
 from deployments.autoscaling import SEQUENCES_METRIC
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
 from engine.types import GenerationRequest, Result, TokenEvent
 from graph.context_store import prefix_key
 
 
+log = logging.getLogger(__name__)
+
+
+def exit_replica(error: BaseException) -> None:
+    """End this replica's process at once: its engine died, so it can serve nothing. A replica whose
+    actor is gone is dropped by the routers at their first failed call and replaced by Serve, where one
+    that only fails its health check stays in rotation until the next check, failing (at once, so
+    looking idle to the routers) every micro-batch sent to it. What it had in flight the batcher re-queues."""
+    log.critical("the engine died (%r); this decoder replica exits for Serve to start a fresh one", error)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(1)
+
+
 class DecoderReplica:
     """Wrap with `serve.deployment`; `context_cache` is a handle to the ContextCache actor, or None."""
 
-    def __init__(self, engine_config: dict, context_cache=None, name: str = "decoder", engine=None, observer=None):
+    def __init__(self, engine_config: dict, context_cache=None, name: str = "decoder", engine=None, observer=None,
+                 on_engine_death: Callable[[BaseException], None] | None = None):
         """`engine`: an already built engine (tests); otherwise one is loaded from `engine_config`.
-        `observer`: deployments.metrics.DecoderMetrics, or None."""
+        `observer`: deployments.metrics.DecoderMetrics, or None. `on_engine_death`: see AsyncEngine
+        (the Serve deployment passes `exit_replica`). A micro-batch running when the engine dies raises
+        EngineDeadError, so the batcher re-queues its unfinished requests elsewhere."""
         if engine is None:
             from engine.engine import LLMEngine
 
             engine = lambda: LLMEngine.from_config(EngineConfig(**engine_config))  # noqa: E731  (built on its thread)
-        self.engine = AsyncEngine(engine)
+        self.engine = AsyncEngine(engine, on_death=on_engine_death)
         self.cache = context_cache
         self.name = name
         self._prefix_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -68,7 +89,9 @@ class DecoderReplica:
                     if prefix is not None:  # the first item comes after its prefill: the prefix is cached
                         await self._publish(prefix, len(prefix) < len(request.prompt_ids))
                         prefix = None
-            except Exception as exc:  # refused by the engine: the batcher answers it with the error
+            except EngineDeadError as exc:  # nothing more runs here: the whole micro-batch fails, to be re-queued
+                queue.put_nowait(exc)
+            except Exception as exc:  # refused by the engine, or failed alone: the batcher answers it with the error
                 queue.put_nowait({"error": {"request_id": request.id, "message": f"{type(exc).__name__}: {exc}"}})
             finally:
                 if prefix is not None:
@@ -95,6 +118,10 @@ class DecoderReplica:
                     ready.append(queue.get_nowait())
                 out = []
                 for item in ready:
+                    if isinstance(item, EngineDeadError):
+                        if out:
+                            yield out  # what finished before the engine died stays finished
+                        raise item
                     if isinstance(item, TokenEvent):
                         if self.observer is not None and item.token_ids:
                             self.observer.generated(len(item.token_ids))

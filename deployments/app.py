@@ -20,7 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from actors.batcher import BatcherActor
 from actors.context_cache import ContextCache
-from actors.decoder import DecoderReplica
+from actors.decoder import DecoderReplica, exit_replica
 from actors.length_predictor import LengthPredictorReplica
 from actors.planner import PlannerReplica, batcher_service
 from deployments.api import create_app
@@ -49,7 +49,7 @@ class Decoder(DecoderReplica):
     def __init__(self, engine_config: dict, context_cache: DeploymentHandle | None):
         context = serve.get_replica_context()
         super().__init__(engine_config, context_cache, name=getattr(context, "replica_tag", "decoder"),
-                         observer=DecoderMetrics())
+                         observer=DecoderMetrics(), on_engine_death=exit_replica)
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})

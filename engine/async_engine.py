@@ -58,11 +58,16 @@ class AsyncEngine:
     threads for good, and once a process holds more of those workers than it has cores, all of them
     stop spinning between parallel regions and sleep instead, so every matmul pays a wake-up. An
     engine loaded on one thread and stepped on another met exactly that: measured on the 2-core box,
-    SmolLM2-135M at batch 1 took 62-75 ms a token, against 46 ms built and stepped on one thread."""
+    SmolLM2-135M at batch 1 took 62-75 ms a token, against 46 ms built and stepped on one thread.
 
-    def __init__(self, engine: Engine | Callable[[], Engine], stuck_after_s: float = 120.0):
+    `on_death(error)` is called if the loop dies of an error (not on `shutdown`), once every request has
+    been sent EngineDeadError: a replica that cannot serve may leave at once for a fresh one."""
+
+    def __init__(self, engine: Engine | Callable[[], Engine], stuck_after_s: float = 120.0,
+                 on_death: Callable[[BaseException], None] | None = None):
         self.engine: Engine = engine if isinstance(engine, Engine) else None  # type: ignore[assignment]
         self.stuck_after_s = stuck_after_s
+        self.on_death = on_death  # called on the engine thread with the error, once its requests are failed
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._subscribers: dict[str, _Subscriber] = {}
@@ -179,14 +184,17 @@ class AsyncEngine:
                 self._step_started = None
                 self._deliver(events)
             reason: BaseException = EngineDeadError("the engine was shut down")
+            died = False
         except BaseException as exc:  # a broken engine must fail its requests, not hang them
             log.exception("engine loop died")
-            reason = exc
+            reason, died = exc, True
         with self._inbox_lock:
             self.error = reason
         for subscriber in list(self._subscribers.values()):
             subscriber.push(EngineDeadError(f"engine loop stopped: {reason!r}"))
         self._fail_inbox(reason)
+        if died and self.on_death is not None:
+            self.on_death(reason)
 
     def _drain_inbox(self) -> None:
         while True:

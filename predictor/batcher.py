@@ -57,6 +57,13 @@ class BatcherConfig(BaseModel):
         description="A request in the batcher longer than this (counted from its first submit) is served "
         "before any other bin's of its priority, so long requests never starve.",
     )
+    max_failed_attempts: int = Field(
+        3,
+        ge=1,
+        description="A request whose micro-batch failed this many times (its replica died, or its result went "
+        "missing) is answered with an error (finish_reason `error`) rather than re-queued again: a request that "
+        "brings down every engine it meets must not go round the fleet forever. Cut answers do not count.",
+    )
     default_bin: int | None = Field(
         None,
         ge=0,
@@ -88,6 +95,7 @@ class _Entry:
     seq: int  # arrival order, to tell the oldest bin when submit times tie
     holder: Hashable | None = None  # the decoder replica holding its prompt, as last asked (holder_of)
     holder_asked_at: float | None = None
+    failed_attempts: int = 0  # micro-batches of it that failed (see BatcherConfig.max_failed_attempts)
 
 
 # A queued prompt's holder is asked again after this long: it changes only when a prompt sharing its
@@ -114,7 +122,9 @@ class Batcher:
     micro-batch runs on one replica and the others would prefill there what their holder has cached.
     A queued prompt's holder is asked at most once a second (HOLDER_TTL_S), and a pack asks at most
     twice its size, so a long queue held by many replicas costs a pack bounded work.
-    Failed batches and requests missing from a report return to the front of their queue.
+    Failed batches and requests missing from a report return to the front of their queue, up to
+    `max_failed_attempts` times each, and go out again each in a micro-batch of its own; a request
+    failed that often is answered with an error.
     Priority is strict, as vLLM's priority scheduling is: a lower one waits while a higher one
     waits (a batch job behind chats however long it has queued).
     """
@@ -133,7 +143,7 @@ class Batcher:
         self._batch_sizes: Counter[int] = Counter()
         self._counts = Counter(dict.fromkeys(("finished", "requeues", "requeued_tokens", "recompute_tokens",
             "default_bin_uses", "clamped_predictions", "failed_batches", "missing_results", "ignored_results",
-            "cancelled", "holder_splits"), 0))
+            "cancelled", "holder_splits", "failed_out"), 0))
 
     # ---- requests in ----------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, now: float) -> None:
@@ -216,8 +226,10 @@ class Batcher:
 
         taken, used, group, asked = [], 0, None, 0
         for _, entry in sorted(enumerate(queue), key=order):
-            if len(taken) == limit:
+            if len(taken) == limit or (taken and taken[0].failed_attempts):
                 break
+            if entry.failed_attempts and taken:  # retried alone: one that brings its replica down takes no
+                continue  # batch mates with it again (and the engine batches lone micro-batches together anyway)
             cost = self._cost(entry)
             if self.config.variable_batch_size and taken and used + cost > budget:
                 continue
@@ -258,9 +270,10 @@ class Batcher:
     # ---- results back ---------------------------------------------------------------------------
     def report(self, batch_id: str, results: list[Result], partial: dict[str, list[int]] | None = None,
                partial_logprobs: dict[str, list[TokenLogprob]] | None = None) -> list[Result]:
-        """Take a batch's results; returns the final ones (STOP, LENGTH, ABORT). A CUT result is
+        """Take a batch's results; returns the final ones (STOP, LENGTH, ABORT, ERROR). A CUT result is
         re-queued one bin up, resuming after its tokens; a request without a result is re-queued as
-        it was. Results of an unknown batch, of requests not in it, or repeated, are ignored.
+        it was, or, failed `max_failed_attempts` times now, given an ERROR result, which is among those
+        returned. Results of an unknown batch, of requests not in it, or repeated, are ignored.
         `partial` says the replica failed partway (see `fail`): the requests it finished are final,
         the others resume after their tokens in `partial` (and, for those that ask for logprobs, after
         theirs in `partial_logprobs`)."""
@@ -274,7 +287,19 @@ class Batcher:
         else:
             self._counts["failed_batches"] += 1
             self._resume_after(entries, partial, partial_logprobs or {})
-        self._requeue_front(entries.values())
+        again = []
+        for entry in entries.values():
+            entry.failed_attempts += 1
+            if entry.failed_attempts < self.config.max_failed_attempts:
+                again.append(entry)
+                continue
+            self._live.discard(entry.request.id)
+            self._counts["failed_out"] += 1
+            final.append(Result(request_id=entry.request.id, prompt_tokens=len(entry.request.prompt_ids), token_ids=[],
+                                text="", finish_reason=FinishReason.ERROR, ttft_s=0.0, latency_s=0.0,
+                                error=f"its micro-batch failed {entry.failed_attempts} times (the decoder replica died "
+                                "or lost it); it is not retried again"))
+        self._requeue_front(again)
         return final
 
     def report_one(self, batch_id: str, result: Result) -> Result | None:
@@ -392,6 +417,7 @@ class Batcher:
         """Counters for metrics: queue depth per bin, batches and their sizes, re-queues, recompute
         cost (requeued_tokens kept from cut answers; recompute_tokens prefilled again on resume),
         default-bin uses and clamped predictions, failed batches, missing and ignored results,
+        requests answered with an error after max_failed_attempts (failed_out),
         requests cancelled by their callers, and holder_splits: how often a request was left for a
         later micro-batch because another replica than the batch's holds its prompt."""
         batches = sum(self._batch_sizes.values())

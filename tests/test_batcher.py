@@ -255,9 +255,9 @@ def test_requests_missing_from_a_report_are_requeued_as_they_were():
     batch = b.next_batch(now=0)
     b.submit(req("d", predicted=10), now=1)
     assert b.report(batch.id, [result("b", 2)])[0].request_id == "b"
-    again = b.next_batch(now=2)
-    assert ids_of(again) == ["a", "c", "d"]
-    assert again.requests[0] == batch.requests[0] and again.requests[1] == batch.requests[2]
+    again = [b.next_batch(now=2) for _ in range(3)]  # after a failure each goes alone
+    assert [ids_of(batch) for batch in again] == [["a"], ["c"], ["d"]]
+    assert again[0].requests[0] == batch.requests[0] and again[1].requests[0] == batch.requests[2]
     assert b.stats()["missing_results"] == 2
 
 
@@ -270,10 +270,12 @@ def test_fail_requeues_the_batch_in_front_with_nothing_lost_or_duplicated():
     assert b.fail(failed.id) == 0 and b.report(failed.id, [result("a", 1)]) == []
     assert b.in_flight() == 0 and b.pending() == 3
     b.submit(req("d", predicted=10), now=1)
-    retried = b.next_batch(now=1)
-    assert retried.requests == failed.requests and retried.id != failed.id  # back in front of c and d
+    retried = [b.next_batch(now=1) for _ in range(2)]  # back in front of c and d, each alone
+    assert [r.requests for r in retried] == [failed.requests[:1], failed.requests[1:]]
+    assert failed.id not in {r.id for r in retried}
     lengths = {"a": 1, "b": 2, "c": 3, "d": 4}
-    final = b.report(retried.id, fake_decode(retried.requests, lengths)) + list(serve_all(b, lengths).values())
+    final = [f for r in retried for f in b.report(r.id, fake_decode(r.requests, lengths))]
+    final += list(serve_all(b, lengths).values())
     assert sorted(r.request_id for r in final) == ["a", "b", "c", "d"]
     assert b.stats()["failed_batches"] == 1 and b.pending() == b.in_flight() == 0
 
@@ -284,9 +286,32 @@ def test_fail_with_partial_progress_resumes_after_the_tokens_already_sent():
         b.submit(req(rid, predicted=10), now=0)
     batch = b.next_batch(now=0)
     b.fail(batch.id, partial={"a": [5, 6, 7], "zzz": [1]})  # an unknown id is ignored
-    retried = b.next_batch(now=0)
-    resumed = {r.id: r.resume_ids for r in retried.requests}
+    retried = [r for _ in range(2) for r in b.next_batch(now=0).requests]
+    resumed = {r.id: r.resume_ids for r in retried}
     assert resumed == {"a": [5, 6, 7], "b": []}
+
+
+def test_a_request_whose_batch_keeps_failing_is_answered_with_an_error_and_its_batch_mates_are_not():
+    """As when one request brings down every decoder replica it reaches: it is retried alone, so
+    the others of its first micro-batch finish, and after max_failed_attempts it is answered ERROR."""
+    b = batcher(max_failed_attempts=3)
+    for rid in ("a", "poison", "c"):
+        b.submit(req(rid, predicted=10), now=0)
+    lengths, final, sizes = {"a": 4, "c": 6}, [], []
+    while (batch := b.next_batch(now=0)) is not None:
+        sizes.append(len(batch.requests))
+        if "poison" in ids_of(batch):
+            final += b.report(batch.id, [], partial={})  # the replica died with it
+        else:
+            final += b.report(batch.id, fake_decode(batch.requests, lengths))
+    assert sizes == [3, 1, 1, 1, 1]  # the first batch, then a, poison, c alone; then poison's last try
+    by_id = {r.request_id: r for r in final}
+    assert sorted(by_id) == ["a", "c", "poison"] and len(final) == 3
+    assert by_id["a"].token_ids == list(range(4)) and by_id["c"].finish_reason == FinishReason.STOP
+    assert by_id["poison"].finish_reason == FinishReason.ERROR and "failed 3 times" in by_id["poison"].error
+    assert b.stats()["failed_out"] == 1 and b.stats()["failed_batches"] == 3
+    assert b.pending() == b.in_flight() == 0
+    b.submit(req("poison", predicted=10), now=1)  # answered, so its id may come again
 
 
 # ---- on the tiny engine -------------------------------------------------------------------------

@@ -95,6 +95,32 @@ def test_a_request_the_decoder_refuses_fails_with_its_reason_and_others_are_answ
     assert ok["token_ids"] == list(range(2)) and stats["refused"] == 1
 
 
+def test_a_request_that_kills_every_replica_is_answered_with_an_error_and_its_batch_mates_are_answered():
+    class PoisonedFleet(FakeDecoder):
+        async def __call__(self, batch):
+            if any(r["id"] == "poison" for r in batch["requests"]):
+                self.batches.append(batch)
+                raise ConnectionError("the replica died")
+            async for item in super().__call__(batch):
+                yield item
+
+    async def main():
+        fleet = PoisonedFleet()
+        actor = BatcherActor({"bins": {"edges": [64]}, "max_failed_attempts": 3}, send_batch=fleet)
+        mates = [asyncio.create_task(actor.submit(request(rid))) for rid in ("r0", "r1")]
+        poison = asyncio.create_task(actor.submit(request("poison")))
+        with pytest.raises(RequestFailed, match="failed 3 times"):
+            await poison
+        return [await m for m in mates], fleet, await actor.stats()
+
+    LENGTHS["poison"] = 5
+    (r0, r1), fleet, stats = run(main())
+    assert r0["token_ids"] == list(range(2)) and r1["token_ids"] == list(range(7))
+    assert stats["failed_out"] == 1 and stats["refused"] == 1 and stats["pending"] == stats["in_flight"] == 0
+    poisoned = [[r["id"] for r in b["requests"]] for b in fleet.batches if any(r["id"] == "poison" for r in b["requests"])]
+    assert len(poisoned) == 3 and poisoned[1:] == [["poison"], ["poison"]]  # retried alone
+
+
 SERVING = contextvars.ContextVar("serving", default=None)  # as Serve keeps the request being served
 
 

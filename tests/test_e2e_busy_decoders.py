@@ -127,3 +127,48 @@ def test_a_client_that_leaves_a_shared_micro_batch_is_aborted_on_its_replica_whi
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["decoder_aborts"] == before["decoder_aborts"] + 1
     assert after["in_flight"] == after["pending"] == 0
+
+
+def test_a_replica_whose_engine_dies_exits_its_answers_finish_on_the_other_and_serve_replaces_it(server):
+    """Last in this module: it takes a replica down. Both replicas run a long answer; one's forward pass
+    is made to raise, as a device fault would. Its engine dies, the replica's process exits
+    (actors.decoder.exit_replica), the batcher re-queues the answer after the tokens already streamed,
+    and the other replica finishes it: both answers run to their full length, their streams never cut.
+    Serve then starts a replacement, and the app serves on."""
+    import time
+
+    import ray
+    from ray import serve
+
+    def break_a_busy_engine(replica_actor) -> bool:  # runs in the replica's process (by value: cloudpickle)
+        def fail(*args, **kwargs):
+            raise RuntimeError("injected: the device fell over")
+
+        engine = replica_actor._replica_impl._user_callable_wrapper._callable.engine.engine  # Serve's internals (Ray 2.60)
+        if not engine.has_work():
+            return False
+        engine.runner.decode = engine.runner.prefill = fail
+        return True
+
+    before = _batcher_stats()
+    answers = [Answer(server, [{"role": "user", "content": f"Tell me a long story about a lighthouse number {i}."}],
+                      160).started() for i in (1, 2)]
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "Decoder" in a["name"])
+    assert len(names) == 2, names
+    broken = next(name for name in names
+                  if ray.get(ray.get_actor(name, namespace="serve").__ray_call__.remote(break_a_busy_engine)))
+    for answer in answers:
+        answer.done()
+        assert answer.usage["completion_tokens"] == 160, answer.usage
+    after = _batcher_stats()
+    assert after["failed_batches"] >= before["failed_batches"] + 1 and after["failed_out"] == before["failed_out"]
+    assert after["in_flight"] == after["pending"] == 0
+
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        states = serve.status().applications["plato"].deployments["Decoder"].replica_states
+        if states.get("RUNNING") == 2 and broken not in {a["name"] for a in ray.util.list_named_actors(True)}:
+            break
+        time.sleep(2)
+    assert states.get("RUNNING") == 2, states
+    assert Answer(server, [{"role": "user", "content": "Say hello."}], 8).started().done().usage["completion_tokens"] == 8

@@ -215,3 +215,62 @@ def test_a_stream_that_faults_partway_ends_with_an_error_event_then_done(faulty_
     assert any("choices" in p for p in payloads[:-1])  # some of the answer came first
     error = payloads[-1]["error"]
     assert error["type"] == "server_error" and "only seed 13 meets" in error["message"]
+
+
+# ---- a fault no single request owns: the engine dies, its replica goes, its work is re-queued ----
+def test_a_decoder_whose_engine_dies_yields_what_finished_then_fails_its_micro_batch(make_engine):
+    """The batcher re-queues a micro-batch whose stream raises (tests/test_batcher_push.py); the
+    request that finished before the death keeps its result, and the replica is told to go."""
+    from actors.decoder import DecoderReplica
+    from engine.async_engine import EngineDeadError
+
+    engine, deaths = make_engine(max_batch_size=4), []
+    real_decode, steps = engine.runner.decode, []
+
+    def decode(*args, **kwargs):
+        steps.append(1)
+        if len(steps) > 6:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_decode(*args, **kwargs)
+
+    engine.runner.decode = decode
+    requests = [req("short", ids(5, 12), max_tokens=3, ignore_eos=True),
+                req("long", ids(5, 13), max_tokens=40, ignore_eos=True)]
+    batch = {"id": "b1", "requests": [r.model_dump(mode="json") for r in requests]}
+
+    async def main():
+        decoder = DecoderReplica({}, engine=engine, on_engine_death=deaths.append)
+        items = []
+        with pytest.raises(EngineDeadError, match="illegal memory access"):
+            async for message in decoder.run_batch(batch):
+                items.extend(message)
+        return items, decoder.engine.health()
+
+    items, health = asyncio.run(asyncio.wait_for(main(), 30))
+    results = [item["result"] for item in items if "result" in item]
+    assert [r["request_id"] for r in results] == ["short"] and len(results[0]["token_ids"]) == 3
+    assert not any("error" in item for item in items)  # no request is answered with the engine's death
+    assert len(deaths) == 1 and "illegal memory access" in str(deaths[0]) and not health["healthy"]
+
+
+def test_on_death_is_called_when_the_loop_dies_and_not_on_shutdown(make_engine):
+    deaths = []
+    AsyncEngine(make_engine(), on_death=deaths.append).shutdown()
+    assert deaths == []
+    engine = make_engine()
+    engine.step = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))
+    served = AsyncEngine(engine, on_death=deaths.append)
+    with pytest.raises(Exception, match="device lost"):
+        asyncio.run(asyncio.wait_for(served.generate(req("x", ids(4, 14), max_tokens=3)), 10))
+    served._thread.join(5)
+    assert [str(d) for d in deaths] == ["device lost"]
+
+
+def test_exit_replica_ends_the_process_with_status_1():
+    import subprocess
+    import sys
+
+    code = "from actors.decoder import exit_replica; exit_replica(RuntimeError('gone')); print('still here')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "still here" not in done.stdout
+    assert "this decoder replica exits" in done.stderr and "gone" in done.stderr
