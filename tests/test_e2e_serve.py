@@ -1,6 +1,9 @@
 """End to end: real Ray, real Serve, the real embedded SmolLM2 model, over HTTP."""
 from __future__ import annotations
 
+import json
+import random
+
 import httpx
 import pytest
 from tests.e2e_app import serve_plato
@@ -71,6 +74,27 @@ def test_bad_input_is_400_naming_the_field(server, body, param):
 def test_replica_survives_bad_input(server):
     server.post("/v1/chat/completions", content=b"{not json")
     assert _ask(server, "What is the capital of France?", max_tokens=8).status_code == 200
+
+
+def test_mutated_requests_get_an_answer_or_a_4xx_through_the_real_path(server):
+    """tests/test_api_fuzz.py's mutations, through Ray Serve, the batcher and the real model, eight at
+    a time: no 5xx, no stream that fails after it began, and the replicas serve on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.test_api_fuzz import VALID, failed_status, mutated
+
+    rng = random.Random(11)
+    cases = []
+    for route, body in (rng.choice(VALID) for _ in range(160)):
+        for _ in range(rng.randint(1, 2)):
+            body = mutated(body, rng)
+        cases.append((route, body))
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(lambda case: failed_status(server.post(case[0], json=case[1])), cases))
+    failures = [(route, json.dumps(body)[:300], status) for (route, body), status in zip(cases, statuses) if status >= 500]
+    assert not failures, failures[:3]
+    assert 0 < sum(status < 300 for status in statuses) < len(cases)  # both answers and refusals were met
+    assert server.get("/healthz").status_code == 200
 
 
 def _ask_openai(server, **extra):
