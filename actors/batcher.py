@@ -411,6 +411,8 @@ class BatcherActor:
         `refused` (request id -> why) answers those requests with a RequestFailed error; `partial`
         (and `partial_logprobs`, TokenLogprob dicts) says the decoder failed partway (see Batcher.report)."""
         parsed = [Result.model_validate(r) for r in results]
+        if partial is not None and self.observer is not None and self.core.left_in(batch_id):
+            self.observer.failed_batch()
         final = {r.request_id: r for r in self.core.report(batch_id, parsed, partial, _logprobs(partial_logprobs))}
         for result in parsed:
             self._settle(final.get(result.request_id), result, (refused or {}).get(result.request_id))
@@ -435,6 +437,8 @@ class BatcherActor:
             if waiter is not None and not waiter.done():
                 if refused is not None:
                     self.counts["refused"] += 1
+                    if self.observer is not None:
+                        self.observer.error()
                     waiter.set_exception(RequestFailed(refused))
                 else:
                     waiter.set_result(final)

@@ -13,7 +13,7 @@ SECONDS_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120]
 
 
 class BatcherMetrics:
-    """Queue depth per bin, micro-batch sizes, predicted vs actual length, re-queues."""
+    """Queue depth per bin, micro-batch sizes, predicted vs actual length, re-queues, failures."""
 
     def __init__(self):
         self.queue_depth = Gauge("plato_batcher_queue_depth", "Requests waiting, per length bin.", tag_keys=("bin",))
@@ -29,6 +29,10 @@ class BatcherMetrics:
         self.cancelled = Counter("plato_batcher_cancelled_total", "Requests whose caller went away before the answer.")
         self.held_apart = Counter("plato_batcher_holder_splits_total", "Times a queued request was left for a later "
                                   "micro-batch because another decoder replica than the batch's holds its prompt.")
+        self.failed_batches = Counter("plato_batcher_failed_batches_total", "Micro-batches a decoder failed or lost "
+                                      "(its replica died); their unfinished requests were re-queued.")
+        self.errors = Counter("plato_batcher_errors_total", "Requests answered with an error: refused by a decoder, "
+                              "failed there alone, or in batcher.max_failed_attempts failed micro-batches.")
 
     def batch(self, size: int, tokens: int) -> None:
         self.batch_size.observe(size)
@@ -54,6 +58,12 @@ class BatcherMetrics:
 
     def split(self, requests: int) -> None:
         self.held_apart.inc(requests)
+
+    def failed_batch(self) -> None:
+        self.failed_batches.inc()
+
+    def error(self) -> None:
+        self.errors.inc()
 
 
 class AnswerMetrics:

@@ -104,9 +104,17 @@ def test_a_request_that_kills_every_replica_is_answered_with_an_error_and_its_ba
             async for item in super().__call__(batch):
                 yield item
 
+    class Observer:  # what the metrics hear: failed micro-batches, errors
+        heard: dict = {}
+
+        def __getattr__(self, name):
+            return lambda *args: self.heard.__setitem__(name, self.heard.get(name, 0) + 1)
+
+    observer = Observer()
+
     async def main():
         fleet = PoisonedFleet()
-        actor = BatcherActor({"bins": {"edges": [64]}, "max_failed_attempts": 3}, send_batch=fleet)
+        actor = BatcherActor({"bins": {"edges": [64]}, "max_failed_attempts": 3}, send_batch=fleet, observer=observer)
         mates = [asyncio.create_task(actor.submit(request(rid))) for rid in ("r0", "r1")]
         poison = asyncio.create_task(actor.submit(request("poison")))
         with pytest.raises(RequestFailed, match="failed 3 times"):
@@ -119,6 +127,7 @@ def test_a_request_that_kills_every_replica_is_answered_with_an_error_and_its_ba
     assert stats["failed_out"] == 1 and stats["refused"] == 1 and stats["pending"] == stats["in_flight"] == 0
     poisoned = [[r["id"] for r in b["requests"]] for b in fleet.batches if any(r["id"] == "poison" for r in b["requests"])]
     assert len(poisoned) == 3 and poisoned[1:] == [["poison"], ["poison"]]  # retried alone
+    assert observer.heard["failed_batch"] == 3 and observer.heard["error"] == 1
 
 
 SERVING = contextvars.ContextVar("serving", default=None)  # as Serve keeps the request being served
