@@ -5,10 +5,15 @@
 locally, with the served model's tokenizer, and submits every request to the batcher."""
 from __future__ import annotations
 
+import asyncio
+import itertools
+import logging
 from collections.abc import AsyncIterator
 
 from engine.base import chat_ids
 from engine.types import GenerationRequest, Result, TokenEvent
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizing:
@@ -24,17 +29,78 @@ class Tokenizing:
         return chat_ids(self.tokenizer, messages, add_generation_prompt)
 
 
-class HandleBatcher:
-    """A Serve handle to the batcher deployment, seen as an object with submit / stream."""
+FINAL = ("stop", "length")  # an event's finish_reason that ends the answer (a "cut" one goes on)
 
-    def __init__(self, handle):
-        self.handle = handle
+
+def _replica_died() -> tuple[type[BaseException], ...]:
+    # not ActorUnavailableError: that replica may live on, still serving the first call of this id
+    from ray.exceptions import ActorDiedError
+
+    return (ActorDiedError,)
+
+
+class HandleBatcher:
+    """A Serve handle to the batcher deployment, seen as an object with submit / stream.
+
+    The batcher holds every queued request in memory, and Serve restarts its replica if it dies. A
+    call that its death cut short is made again, up to `retries` times, `backoff_s` doubling between
+    (Serve holds a call while no replica is up): a stream resumes after the tokens it had already
+    passed on, so its reader sees one answer, and one whose last event had come is finished here."""
+
+    def __init__(self, handle, retries: int = 4, backoff_s: float = 0.5,
+                 retry_on: tuple[type[BaseException], ...] | None = None):
+        self.handle, self.retries, self.backoff_s = handle, retries, backoff_s
+        self.retry_on = retry_on if retry_on is not None else _replica_died()
+
+    async def _wait_before(self, attempt: int, error: BaseException) -> None:
+        if attempt >= self.retries:
+            raise error
+        log.warning("the batcher's replica died (%r); sending the request again", error)
+        await asyncio.sleep(self.backoff_s * 2**attempt)
 
     async def submit(self, request: dict) -> dict:
-        return await self.handle.submit.remote(request)
+        for attempt in itertools.count():
+            try:
+                return await self.handle.submit.remote(request)
+            except self.retry_on as error:
+                await self._wait_before(attempt, error)
 
-    def stream(self, request: dict) -> AsyncIterator[dict]:
-        return self.handle.options(stream=True).stream.remote(request)
+    async def stream(self, request: dict) -> AsyncIterator[dict]:
+        passed: list[dict] = []  # the events passed on so far, across attempts
+        for attempt in itertools.count():
+            try:
+                async for item in self.handle.options(stream=True).stream.remote(_resumed(request, passed)):
+                    if "event" in item:
+                        passed.append(item["event"])
+                    yield item
+                return
+            except self.retry_on as error:
+                if passed and passed[-1].get("finish_reason") in FINAL:  # all but the result had come
+                    yield {"result": _result_of(request, passed)}
+                    return
+                await self._wait_before(attempt, error)
+
+
+def _resumed(request: dict, passed: list[dict]) -> dict:
+    """The request to send again after `passed` events: continuing after their tokens."""
+    if not passed:
+        return request
+    resumed = {**request, "resume_ids": list(request.get("resume_ids") or []) + [t for e in passed for t in e["token_ids"]]}
+    if (request.get("params") or {}).get("logprobs") is not None:
+        resumed["resume_logprobs"] = list(request.get("resume_logprobs") or []) + [
+            lp for e in passed for lp in e.get("logprobs") or []]
+    return resumed
+
+
+def _result_of(request: dict, passed: list[dict]) -> dict:
+    """The Result (as a dict) of an answer whose every event had come when its stream broke."""
+    whole = _resumed(request, passed)
+    logprobs = whole.get("resume_logprobs") if (request.get("params") or {}).get("logprobs") is not None else None
+    return Result(request_id=request["id"], prompt_tokens=len(request["prompt_ids"]), token_ids=whole["resume_ids"],
+                  text="".join(e["text"] for e in passed), finish_reason=passed[-1]["finish_reason"], ttft_s=0.0,
+                  latency_s=0.0, logprobs=logprobs, stop_logprob=passed[-1].get("stop_logprob"),
+                  prompt_logprobs=next((e["prompt_logprobs"] for e in passed if e.get("prompt_logprobs") is not None),
+                                       None)).model_dump(mode="json")
 
 
 class BatcherClient:

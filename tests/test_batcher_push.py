@@ -636,3 +636,105 @@ def test_without_requests_per_replica_the_replica_count_is_not_read():
 
     actor = BatcherActor({"bins": {"edges": [64]}}, dispatch={"max_requests_in_flight": 7}, decoder_replicas=never)
     assert actor.request_limit() == 7
+
+
+class Died(Exception):
+    """Stands for Ray's ActorDiedError: the batcher's replica went away mid-call."""
+
+
+class StreamHandle:
+    """A Serve handle's `options(stream=True).stream.remote(request)`, each request kept in `sent`, its
+    items from `_stream`."""
+
+    def __init__(self):
+        self.sent = []
+
+    def options(self, stream):
+        return self
+
+    @property
+    def stream(self):
+        return self
+
+    def remote(self, request):
+        self.sent.append(request)
+        return self._stream(request)
+
+
+class RestartingBatcher(StreamHandle):
+    """A Serve handle to a batcher deployment whose replica dies: each call goes to the replica up now,
+    and the first `deaths` replicas die after passing on `die_after` items; Serve then starts a fresh
+    one, empty (`replicas` counts them)."""
+
+    def __init__(self, deaths: int, die_after: int):
+        super().__init__()
+        self.deaths, self.die_after, self.replicas = deaths, die_after, []
+        self._start()
+
+    def _start(self):
+        self.replicas.append(BatcherActor({"bins": {"edges": [4, 8, 16]}}, send_batch=FakeDecoder()))
+
+    async def _stream(self, request):
+        replica, passed = self.replicas[-1], 0
+        async for item in replica.stream(request):
+            if len(self.replicas) <= self.deaths and passed == self.die_after:
+                self._start()
+                raise Died("the batcher's replica died")
+            passed += 1
+            yield item
+
+
+@pytest.mark.parametrize("deaths, die_after", [(1, 2), (2, 1), (1, 0)])
+def test_a_stream_whose_batcher_dies_resumes_on_its_successor_after_the_tokens_it_had(deaths, die_after):
+    from actors.decode_client import HandleBatcher
+
+    async def main():
+        handle = RestartingBatcher(deaths, die_after)
+        client = HandleBatcher(handle, backoff_s=0.0, retry_on=(Died,))
+        tokens, result = [], None
+        async for item in client.stream(request("r3")):  # 17 tokens, cut at 4, 8 and 16 on the way
+            if "event" in item:
+                tokens.extend(item["event"]["token_ids"])
+            else:
+                result = item["result"]
+        return tokens, result, handle
+
+    tokens, result, handle = run(main())
+    assert tokens == list(range(17)) and result["token_ids"] == list(range(17))  # each token once, in order
+    assert len(handle.replicas) == deaths + 1 and len(handle.sent) == deaths + 1
+    assert [len(sent["resume_ids"]) for sent in handle.sent][0] == 0
+    assert all(len(later["resume_ids"]) > 0 for later in handle.sent[1:]) or die_after == 0
+
+
+def test_a_batcher_that_keeps_dying_fails_the_stream_after_its_retries():
+    from actors.decode_client import HandleBatcher
+
+    async def main():
+        client = HandleBatcher(RestartingBatcher(deaths=10, die_after=1), retries=2, backoff_s=0.0, retry_on=(Died,))
+        async for _ in client.stream(request("r3")):
+            pass
+
+    with pytest.raises(Died):
+        run(main())
+
+
+def test_a_stream_that_broke_after_its_last_event_is_finished_without_asking_again():
+    """The engine's last event of an answer carries its finish_reason; the result follows it. A stream
+    cut between the two is answered from the events, not sent again."""
+    from actors.decode_client import HandleBatcher
+
+    class LostResult(StreamHandle):
+        async def _stream(self, request):
+            yield {"event": {"request_id": request["id"], "token_ids": [0, 1], "text": "<0><1>", "prompt_logprobs": None}}
+            yield {"event": {"request_id": request["id"], "token_ids": [2], "text": "<2>", "finish_reason": "stop"}}
+            raise Died("died just before the result")
+
+    async def main():
+        handle = LostResult()
+        items = [item async for item in HandleBatcher(handle, backoff_s=0.0, retry_on=(Died,)).stream(request("r1"))]
+        return items, handle
+
+    items, handle = run(main())
+    assert len(handle.sent) == 1 and len(items) == 3
+    result = items[-1]["result"]
+    assert result["token_ids"] == [0, 1, 2] and result["finish_reason"] == "stop" and result["text"] == "<0><1><2>"

@@ -313,3 +313,53 @@ def test_prometheus_metrics_are_exported_under_the_names_the_readme_lists(server
             break
         time.sleep(3)
     assert wanted <= names, sorted(names)
+
+
+def test_answers_in_flight_survive_the_batchers_death(server):
+    """Last in this module: it kills the batcher's replica while two answers stream and a third waits
+    whole. Serve starts a fresh batcher, empty; each call cut short is sent to it again
+    (actors.decode_client.HandleBatcher), a stream resuming after the tokens it had passed on, so every
+    client gets its whole answer, once: greedy, each is the answer it gets from an undisturbed server."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+
+    def streamed(content: str) -> tuple[str, dict, list]:
+        body = {"model": "embedded:smollm2-135m", "messages": [{"role": "user", "content": content}],
+                "max_tokens": 96, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        text, usage, errors = "", None, []
+        with server.stream("POST", "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                errors += [chunk["error"]] if "error" in chunk else []
+                if chunk.get("choices"):
+                    text += chunk["choices"][0]["delta"].get("content") or ""
+                    if len(text) > 20:  # tokens are flowing through the batcher (Serve itself sends a call
+                        begun.set()  # again if its replica died before it yielded anything)
+                usage = chunk.get("usage") or usage
+        return text, usage, errors
+
+    questions = ["Tell me a long story about a red fox.", "Describe a long walk along a river."]
+    begun = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        streams = [pool.submit(streamed, q) for q in questions]
+        whole = pool.submit(_ask, server, "Tell me about the moon.", max_tokens=64, temperature=0, ignore_eos=True)
+        assert begun.wait(120)
+        [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "Batcher" in a["name"]]
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        answers = [s.result(timeout=300) for s in streams]
+        whole = whole.result(timeout=300)
+    for text, usage, errors in answers:
+        assert errors == [] and usage["completion_tokens"] == 96, (errors, usage)
+    assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 64
+    deadline = time.monotonic() + 60
+    while name in {a["name"] for a in ray.util.list_named_actors(True)} and time.monotonic() < deadline:
+        time.sleep(1)
+    for (text, _, _), question in zip(answers, questions):  # the same as undisturbed, on the new batcher
+        again = _ask(server, question, max_tokens=96, temperature=0, ignore_eos=True)
+        assert again.json()["choices"][0]["message"]["content"] == text
