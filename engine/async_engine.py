@@ -67,7 +67,7 @@ class AsyncEngine:
                  on_death: Callable[[BaseException], None] | None = None):
         self.engine: Engine = engine if isinstance(engine, Engine) else None  # type: ignore[assignment]
         self.stuck_after_s = stuck_after_s
-        self.on_death = on_death  # called on the engine thread with the error, once its requests are failed
+        self.on_death = on_death  # called on the engine thread with the error (see above)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._subscribers: dict[str, _Subscriber] = {}

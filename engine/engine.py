@@ -483,8 +483,10 @@ class LLMEngine(Engine):
             return sample(logits, *columns)
         except Exception:
             pass
-        chosen = [0] * len(batch)  # a failed row's token is never taken
+        chosen = [0] * len(batch)  # a failed or finished row's token is never taken
         for row, sequence in enumerate(batch):
+            if sequence.finish is not None:
+                continue
             with self._isolated(sequence):
                 chosen[row] = sample(logits[row:row + 1], *[[column[row]] for column in columns])[0]
         return chosen
