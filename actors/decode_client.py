@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from engine.base import chat_ids
 from engine.types import GenerationRequest, Result, TokenEvent
@@ -39,6 +39,21 @@ def _replica_died() -> tuple[type[BaseException], ...]:
     return (ActorDiedError,)
 
 
+async def call_again_if_replica_died(call: Callable[[], Awaitable], what: str, retries: int = 4, backoff_s: float = 0.5,
+                                    retry_on: tuple[type[BaseException], ...] | None = None):
+    """`await call()`, made again while the replica serving it dies under it (up to `retries` times,
+    `backoff_s` doubling between; Serve holds a call while no replica of the deployment is up)."""
+    retry_on = retry_on if retry_on is not None else _replica_died()
+    for attempt in itertools.count():
+        try:
+            return await call()
+        except retry_on as error:
+            if attempt >= retries:
+                raise
+            log.warning("the %s replica died (%r); sending the request again", what, error)
+            await asyncio.sleep(backoff_s * 2**attempt)
+
+
 class HandleBatcher:
     """A Serve handle to the batcher deployment, seen as an object with submit / stream.
 
@@ -59,11 +74,8 @@ class HandleBatcher:
         await asyncio.sleep(self.backoff_s * 2**attempt)
 
     async def submit(self, request: dict) -> dict:
-        for attempt in itertools.count():
-            try:
-                return await self.handle.submit.remote(request)
-            except self.retry_on as error:
-                await self._wait_before(attempt, error)
+        return await call_again_if_replica_died(lambda: self.handle.submit.remote(request), "batcher", self.retries,
+                                                self.backoff_s, self.retry_on)
 
     async def stream(self, request: dict) -> AsyncIterator[dict]:
         passed: list[dict] = []  # the events passed on so far, across attempts

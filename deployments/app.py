@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from actors.batcher import BatcherActor
 from actors.context_cache import ContextCache
+from actors.decode_client import call_again_if_replica_died
 from actors.decoder import DecoderReplica, exit_replica
 from actors.length_predictor import LengthPredictorReplica
 from actors.planner import PlannerReplica, batcher_service
@@ -127,7 +128,8 @@ class HandleBackend:
         self.planner = planner
 
     async def complete(self, request: OpenAIRequest) -> dict:
-        out = await self.planner.complete.remote(request)
+        # a planned answer is planned anew if its planner replica dies (a stream, once begun, cannot be)
+        out = await call_again_if_replica_died(lambda: self.planner.complete.remote(request), "planner")
         if "error" in out:
             raise RequestError(**out["error"])
         return out

@@ -738,3 +738,23 @@ def test_a_stream_that_broke_after_its_last_event_is_finished_without_asking_aga
     assert len(handle.sent) == 1 and len(items) == 3
     result = items[-1]["result"]
     assert result["token_ids"] == [0, 1, 2] and result["finish_reason"] == "stop" and result["text"] == "<0><1><2>"
+
+
+def test_a_whole_call_is_made_again_while_its_replica_dies_and_not_past_its_retries():
+    from actors.decode_client import call_again_if_replica_died
+
+    calls = []
+
+    async def call():
+        calls.append(1)
+        if len(calls) <= 2:
+            raise Died("the planner's replica died")
+        return {"answer": len(calls)}
+
+    assert run(call_again_if_replica_died(call, "planner", backoff_s=0.0, retry_on=(Died,))) == {"answer": 3}
+    calls.clear()
+    with pytest.raises(Died):
+        run(call_again_if_replica_died(call, "planner", retries=1, backoff_s=0.0, retry_on=(Died,)))
+    assert len(calls) == 2
+    with pytest.raises(ValueError):  # a failure of the request itself is not sent again
+        run(call_again_if_replica_died(lambda: (_ for _ in ()).throw(ValueError("bad")), "planner", retry_on=(Died,)))
