@@ -48,10 +48,15 @@ async def call_again_if_replica_died(call: Callable[[], Awaitable], what: str, r
         try:
             return await call()
         except retry_on as error:
-            if attempt >= retries:
-                raise
-            log.warning("the %s replica died (%r); sending the request again", what, error)
-            await asyncio.sleep(backoff_s * 2**attempt)
+            await _pause_or_raise(attempt, error, what, retries, backoff_s)
+
+
+async def _pause_or_raise(attempt: int, error: BaseException, what: str, retries: int, backoff_s: float) -> None:
+    """Before sending a call again after its replica died: raise `error` once `retries` are spent."""
+    if attempt >= retries:
+        raise error
+    log.warning("the %s replica died (%r); sending the request again", what, error)
+    await asyncio.sleep(backoff_s * 2**attempt)
 
 
 class HandleBatcher:
@@ -66,12 +71,6 @@ class HandleBatcher:
                  retry_on: tuple[type[BaseException], ...] | None = None):
         self.handle, self.retries, self.backoff_s = handle, retries, backoff_s
         self.retry_on = retry_on if retry_on is not None else _replica_died()
-
-    async def _wait_before(self, attempt: int, error: BaseException) -> None:
-        if attempt >= self.retries:
-            raise error
-        log.warning("the batcher's replica died (%r); sending the request again", error)
-        await asyncio.sleep(self.backoff_s * 2**attempt)
 
     async def submit(self, request: dict) -> dict:
         return await call_again_if_replica_died(lambda: self.handle.submit.remote(request), "batcher", self.retries,
@@ -90,14 +89,15 @@ class HandleBatcher:
                 if passed and passed[-1].get("finish_reason") in FINAL:  # all but the result had come
                     yield {"result": _result_of(request, passed)}
                     return
-                await self._wait_before(attempt, error)
+                await _pause_or_raise(attempt, error, "batcher", self.retries, self.backoff_s)
 
 
 def _resumed(request: dict, passed: list[dict]) -> dict:
     """The request to send again after `passed` events: continuing after their tokens."""
     if not passed:
         return request
-    resumed = {**request, "resume_ids": list(request.get("resume_ids") or []) + [t for e in passed for t in e["token_ids"]]}
+    tokens = [t for e in passed for t in e["token_ids"]]
+    resumed = {**request, "resume_ids": list(request.get("resume_ids") or []) + tokens}
     if (request.get("params") or {}).get("logprobs") is not None:
         resumed["resume_logprobs"] = list(request.get("resume_logprobs") or []) + [
             lp for e in passed for lp in e.get("logprobs") or []]

@@ -6,6 +6,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -476,36 +477,39 @@ class LLMEngine(Engine):
         return mask if sequence.finish is None else None
 
     def _sample(self, batch: list[_Sequence], logits: torch.Tensor, masks: list[torch.Tensor | None]) -> list[int]:
-        """The batch's tokens sampled together, or where that raises, row by row, so that only the rows
-        that raise fail (a seeded row draws the same either way: see `sample`)."""
+        """The batch's next tokens (a seeded row draws the same together or alone: see `sample`)."""
         columns = [[s.request.params for s in batch], [s.generator for s in batch], masks, [s.generated for s in batch]]
-        try:
-            return sample(logits, *columns)
-        except Exception:
-            pass
-        chosen = [0] * len(batch)  # a failed or finished row's token is never taken
-        for row, sequence in enumerate(batch):
-            if sequence.finish is not None:
-                continue
-            with self._isolated(sequence):
-                chosen[row] = sample(logits[row:row + 1], *[[column[row]] for column in columns])[0]
-        return chosen
+        chosen = self._together_or_by_row(
+            batch, range(len(batch)), lambda: dict(enumerate(sample(logits, *columns))),
+            lambda row: sample(logits[row:row + 1], *[[column[row]] for column in columns])[0])
+        return [chosen.get(row, 0) for row in range(len(batch))]  # a failed or finished row's token is never taken
 
     def _logprobs(self, batch: list[_Sequence], logits: torch.Tensor, chosen: list[int]) -> dict[int, TokenLogprob]:
         """Row -> the chosen token's log probability, for the rows whose request asks for them."""
         rows = [row for row, s in enumerate(batch) if s.logprobs is not None and s.finish is None]
         if not rows:
             return {}
-        tops = [batch[row].request.params.logprobs for row in rows]
+        tops = {row: batch[row].request.params.logprobs for row in rows}
+        return self._together_or_by_row(
+            batch, rows,
+            lambda: dict(zip(rows, token_logprobs(logits[rows], [chosen[r] for r in rows], list(tops.values()),
+                                                  self._token_text))),
+            lambda row: token_logprobs(logits[[row]], [chosen[row]], [tops[row]], self._token_text)[0])
+
+    def _together_or_by_row(self, batch: list[_Sequence], rows, together: Callable[[], dict],
+                            alone: Callable[[int], object]) -> dict:
+        """`together()` (row -> value for `rows`), or where that raises, `alone(row)` for each row whose
+        sequence is unfinished, isolated, so that only the rows that raise alone fail."""
         try:
-            return dict(zip(rows, token_logprobs(logits[rows], [chosen[row] for row in rows], tops, self._token_text)))
+            return together()
         except Exception:
             pass
-        scored = {}  # row by row: only the rows that raise fail
-        for row, top in zip(rows, tops):
-            with self._isolated(batch[row]):
-                scored[row] = token_logprobs(logits[[row]], [chosen[row]], [top], self._token_text)[0]
-        return scored
+        values = {}
+        for row in rows:
+            if batch[row].finish is None:
+                with self._isolated(batch[row]):
+                    values[row] = alone(row)
+        return values
 
     def _score_prompt(self, sequence: _Sequence, logits: torch.Tensor | LogitRows) -> None:
         """Each prompt token's log probability after the first: those of its first `prefix_hit` tokens from
