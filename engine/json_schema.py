@@ -271,6 +271,16 @@ _DAY = "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]
 _TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _HEX = "[0-9a-f]"
+_IPV4 = f"{_OCTET}(?:\\.{_OCTET}){{3}}"
+_GROUP = "[0-9a-fA-F]{1,4}"
+_IPV6 = "(?:" + "|".join([  # RFC 4291's text forms, "::" standing for one run of zero groups at most
+    f"(?:{_GROUP}:){{7}}{_GROUP}", f"(?:{_GROUP}:){{1,7}}:", f"(?:{_GROUP}:){{1,6}}:{_GROUP}",
+    *(f"(?:{_GROUP}:){{1,{6 - right}}}(?::{_GROUP}){{1,{right + 1}}}" for right in range(1, 6)),
+    f":(?::{_GROUP}){{1,7}}", "::"]) + ")"
+_COUNT = "[0-9]{1,6}"  # a duration's figures: the largest sum stays within what a timedelta holds
+_DURATION_TIME = f"T(?:{_COUNT}H(?:{_COUNT}M(?:{_COUNT}S)?)?|{_COUNT}M(?:{_COUNT}S)?|{_COUNT}S)"
+_DURATION = (f"P(?:(?:{_COUNT}D|{_COUNT}M(?:{_COUNT}D)?|{_COUNT}Y(?:{_COUNT}M(?:{_COUNT}D)?)?)(?:{_DURATION_TIME})?"
+             f"|{_DURATION_TIME}|{_COUNT}W)")  # RFC 3339's appendix A, as JSON Schema reads `duration`
 _LABEL = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _DOMAIN = f"{_LABEL}(?:\\.{_LABEL})*\\.[A-Za-z]{{2,24}}"
 FORMATS = {  # each admits valid values only: no year before 1000, no 29th of February (leap or not), ...
@@ -281,9 +291,12 @@ FORMATS = {  # each admits valid values only: no year before 1000, no 29th of Fe
     "email": f"^[A-Za-z0-9_+-]+(?:\\.[A-Za-z0-9_+-]+)*@{_DOMAIN}$",
     "hostname": f"^{_DOMAIN}$",
     "uri": f"^https?://{_DOMAIN}(?:/[A-Za-z0-9._~-]+)*/?$",
-    "ipv4": f"^{_OCTET}(?:\\.{_OCTET}){{3}}$",
+    "ipv4": f"^{_IPV4}$",
+    "ipv6": f"^{_IPV6}$",
+    "ipvanyaddress": f"^(?:{_IPV4}|{_IPV6})$",  # pydantic's IPvAnyAddress
+    "duration": f"^{_DURATION}$",  # pydantic's timedelta
 }
-UNCHECKED_FORMATS = {"password", "binary"}  # hints that pydantic writes (SecretStr, bytes): any string is valid
+UNCHECKED_FORMATS = {"password", "binary", "path"}  # hints that pydantic writes (SecretStr, bytes, Path): any string is valid
 
 
 def _check_types(types: list, where: str) -> None:

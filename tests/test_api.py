@@ -137,7 +137,7 @@ def test_greedy_answer_is_deterministic_and_text_parts_are_accepted(client):
         ({"tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"a": {"type": "string", "format": "ipv6"}}}}}],
+            "type": "object", "properties": {"a": {"type": "string", "format": "ipv4network"}}}}}],
           "tool_choice": "required"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tools"),
         ({"messages": [{"role": "tool"}]}, "messages.0.content"),

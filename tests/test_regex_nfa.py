@@ -11,6 +11,7 @@ import urllib.parse
 import uuid
 
 import pytest
+from pydantic import IPvAnyAddress, TypeAdapter
 
 from engine.json_schema import FORMATS
 from engine.regex_nfa import compile_pattern
@@ -86,6 +87,10 @@ def test_a_length_bound_far_beyond_the_pattern_is_answered_without_counting_to_i
     assert nfa.can_finish(nfa.initial(), 0, 2**62, 2**62) and not nfa.can_finish(nfa.initial(), 0, 2**62 + 1, 2**62 + 1)
 
 
+_PYDANTIC = {"ipv4": TypeAdapter(ipaddress.IPv4Address), "ipv6": TypeAdapter(ipaddress.IPv6Address),
+             "ipvanyaddress": TypeAdapter(IPvAnyAddress), "duration": TypeAdapter(datetime.timedelta)}
+
+
 def _valid_format(name: str, text: str) -> bool:
     if name == "date":
         return datetime.date.fromisoformat(text) is not None
@@ -95,8 +100,11 @@ def _valid_format(name: str, text: str) -> bool:
             is not None
     if name == "uuid":
         return str(uuid.UUID(text)) == text
-    if name == "ipv4":
-        return isinstance(ipaddress.ip_address(text), ipaddress.IPv4Address)
+    if name in ("ipv4", "ipv6", "ipvanyaddress"):
+        kind = {"ipv4": ipaddress.IPv4Address, "ipv6": ipaddress.IPv6Address}.get(name, object)
+        return isinstance(ipaddress.ip_address(text), kind) and _PYDANTIC[name].validate_python(text) is not None
+    if name == "duration":  # pydantic (speedate) reads it as ISO 8601 does, a superset of RFC 3339's
+        return _PYDANTIC[name].validate_python(text) is not None
     if name in ("hostname", "uri"):
         host = urllib.parse.urlsplit(text).hostname if name == "uri" else text
         labels = host.split(".")
@@ -108,11 +116,30 @@ def _valid_format(name: str, text: str) -> bool:
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_every_value_a_format_admits_is_valid(name):
     nfa, rng = compile_pattern(FORMATS[name]), random.Random(8)
-    alphabet = "0123456789abcdefABCDEFZTxyz-:.+@_/htps"
+    alphabet = "0123456789abcdefABCDEFZTxyz-:.+@_/htpsPYMWDHS"
     walked = [t for t in (_walk(nfa, rng, alphabet, most=120) for _ in range(300)) if t is not None]
     assert len(walked) > 50
     for text in walked:
         assert _valid_format(name, text), text
+
+
+@pytest.mark.parametrize("name, admitted, refused", [
+    ("duration", ["P4Y", "PT0S", "P0D", "P1M", "PT1M", "PT36H", "P1DT12H", "P2W", "P1Y2M3DT4H5M6S", "P1Y0M2D",
+                  "PT1H0M5S", "P000001Y"],
+     ["P", "PT", "P1YT", "P1", "P2D1Y", "P1D2H", "P2S", "P1Y2W", "P1W2D", "PT1S2M", "P1Y2D", "PT1H5S", "1D", "P1.5D",
+      "P-1D", "PT1234567S"]),  # the last four: no sign, no fraction, 6 figures at most; the two before: RFC order
+    ("ipv6", ["::", "::1", "1::", "2001:db8::1", "fe80::1:2", "1:2:3:4:5:6:7:8", "1:2:3:4:5:6:7::", "::2:3:4:5:6:7:8",
+              "1::8", "ABCD:ef01::", "0:0:0:0:0:0:0:0"],
+     ["", ":", ":::", "1:2:3:4:5:6:7", "1:2:3:4:5:6:7:8:9", "1::2::3", "12345::", "g::", "1:2:3:4:5:6:7:8::",
+      "::1:2:3:4:5:6:7:8", "::ffff:1.2.3.4", "fe80::1%eth0"]),  # the last two valid, but not written here
+    ("ipvanyaddress", ["10.0.0.1", "::1", "2001:db8::ff00:42:8329"], ["10.0.0.256", "10.0.0", "1::2::3"]),
+])
+def test_a_format_admits_its_written_forms_and_nothing_invalid(name, admitted, refused):
+    nfa = compile_pattern(FORMATS[name])
+    for text in admitted:
+        assert _matches(nfa, text) and _valid_format(name, text), text
+    for text in refused:
+        assert not _matches(nfa, text), text
 
 
 ODD_CHARACTERS = ["a", "_", "é", "\u0663", "5", " ", "\x1c", "\ufeff", "\u2028", "\n", "\u00a0", "\u0085", "-"]
