@@ -17,7 +17,8 @@ schema allows, written the way OpenAI's structured outputs write it:
 - a string with a `pattern` (engine.regex_nfa) or a `format` (FORMATS: the formats as patterns that
   admit only valid values, e.g. no date past the 28th of February; UNCHECKED_FORMATS, hints, admit
   any) is written only as far as its decoded text can still match, within its length bounds.
-Keywords that would need more than this (uniqueItems, minProperties, other formats, ...) are refused
+- an array with uniqueItems whose items are scalars never repeats a value (engine.unique_items).
+Keywords that would need more than this (minProperties, other formats, ...) are refused
 with a ValueError naming the keyword and where it is, never ignored: an answer that ignored them could fail
 the user's validation.
 """
@@ -29,10 +30,11 @@ from dataclasses import dataclass, field
 
 from engine.number_bounds import BOUND_WORDS, NumberRange, exact
 from engine.regex_nfa import Nfa, compile_pattern
+from engine.unique_items import check_unique_items
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "discriminator"}
-HANDLED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+HANDLED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "uniqueItems",
            "minLength", "maxLength", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
            "pattern", "format", *BOUND_WORDS}
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
@@ -51,6 +53,7 @@ class Node:
     items: int | None = None  # array: the items' node (None: no item)
     min_items: int = 0
     max_items: int | None = None
+    unique: bool = False  # array: uniqueItems (engine.unique_items)
     min_length: int = 0  # string: in characters, an escape counting as one
     max_length: int | None = None
     texts: tuple[str, ...] = ()  # literal: the JSON texts it may be
@@ -106,6 +109,7 @@ class _Compiler:
         self.program = Program()
         self.refs: dict[str, int] = {}
         self.any_node: int | None = None
+        self.unique_arrays: list[tuple[int, str]] = []  # checked once every node is compiled
 
     def compile(self, schema, where: str) -> int:
         if schema is True or schema == {}:
@@ -227,6 +231,9 @@ class _Compiler:
             return self.add(Node("string", min_length=low, max_length=high, pattern=pattern))
         if kind == "array":
             low, high = _bounds(schema, "minItems", "maxItems", where)
+            unique = schema.get("uniqueItems", False)
+            if not isinstance(unique, bool):
+                raise ValueError(f"{where}.uniqueItems: true or false, not {unique!r}")
             items = schema.get("items", True)
             if items is False:
                 if low:
@@ -234,7 +241,9 @@ class _Compiler:
                 return self.add(Node("array", items=None, max_items=0))
             index = self.add(Node("array"))  # reserved before its items, which may refer back
             self.program.nodes[index] = Node("array", items=self.compile(items, f"{where}.items"),
-                                             min_items=low, max_items=high)
+                                             min_items=low, max_items=high, unique=unique)
+            if unique:
+                self.unique_arrays.append((index, where))
             return index
         return self.object(schema, where)
 
@@ -347,6 +356,8 @@ def compile_schema(schema) -> Program:
     compiler = _Compiler(schema if isinstance(schema, dict) else {})
     program = compiler.program
     program.root = compiler.compile(schema, "schema")
+    for index, where in compiler.unique_arrays:
+        check_unique_items(program.nodes, index, where)
     program.measure()
     if program.depth[program.root] == math.inf:
         raise ValueError("schema: admits no finite value (a required property or item that contains itself "

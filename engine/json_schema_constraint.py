@@ -21,6 +21,8 @@ from engine.constraints import DONE, CharGrammar
 from engine.json_constraint import (ESCAPES, HEX, JSON_CHARACTERS, NUMBER_ENDS, WHITESPACE, GrammarConstraint,
                                     number_start, number_step, token_vocab)
 from engine.json_schema import Program, compile_schema, schema_key
+from engine.unique_items import (fresh_item_exists, fresh_string_exists, item_leaves, literal_value, number_range,
+                                 numbers_in, string_budget_is_exact)
 
 JSON_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}  # -> the character
 MAX_CACHED_STEPS = 1 << 17  # for all schemas together: a step's states are kept while it is cached
@@ -36,6 +38,9 @@ class SchemaGrammar(CharGrammar):
         self.depth = program.depth
         self.max_depth = max_depth
         self.max_whitespace = max_whitespace
+        # a unique array's item nodes (engine.unique_items), by the array's node
+        self.unique_leaves = {i: item_leaves(self.nodes, node.items) for i, node in enumerate(self.nodes)
+                              if node.kind == "array" and node.unique and node.items is not None}
         self.start = frozenset((frames, 0) for frames in self._pushes((), program.root))
         if not self.start:
             raise ValueError(f"schema: its values need more than {max_depth} nested containers")
@@ -71,7 +76,12 @@ class SchemaGrammar(CharGrammar):
         budget = None
         for frames, _ in state:
             top = frames[-1]
-            if top[0] != "s" or top[3] != 0:
+            if top[0] == "p" and top[5] is not None and top[3] == "" and self.nodes[top[1]].pattern is None:
+                # a unique array's string item, whose text is kept: plain tokens are fine unless one that
+                # fills it to its max_length could spell an item it has
+                if not string_budget_is_exact(self.nodes[top[1]], top[5], _seen(frames[:-1])):
+                    return None
+            elif top[0] != "s" or top[3] != 0:
                 return None
             high = self.nodes[top[1]].max_length if top[1] is not None else None
             left = math.inf if high is None else high - top[2]
@@ -96,18 +106,7 @@ class SchemaGrammar(CharGrammar):
         """The branches that start a value of node `index` above the frames `below`: one per
         alternative, through any_of (and $ref, a one-option any_of), less those that cannot be
         finished within `max_depth` (or at all)."""
-        leaves, stack, seen = [], [index], set()
-        while stack:
-            i = stack.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            node = self.nodes[i]
-            if node.kind == "any_of":
-                stack.extend(reversed(node.options))
-            elif self.fits(i, len(below)):
-                leaves.append(i)
-        return [below + (("v", i),) for i in leaves]
+        return [below + (("v", i),) for i in item_leaves(self.nodes, index) if self.fits(i, len(below))]
 
     def _step(self, frames: tuple, ws: int, ch: str) -> list[tuple]:
         top, below = frames[-1], frames[:-1]
@@ -133,12 +132,18 @@ class SchemaGrammar(CharGrammar):
         return self._array(below, top, ch)
 
     @staticmethod
-    def _done(below: tuple) -> list[tuple]:
-        return [(below, 0)]  # the container below already awaits what follows its value
+    def _done(below: tuple, value=None) -> list[tuple]:
+        """A value ended: the container below already awaits what follows it. In a unique array, the
+        value (engine.unique_items.canonical, given by the item kinds such an array has) is taken only
+        if new, and then counts among the array's values."""
+        seen = _seen(below)
+        if seen is None:
+            return [(below, 0)]
+        return [] if value in seen else [(below[:-1] + (below[-1][:4] + (seen | {value},),), 0)]
 
-    def _then(self, below: tuple, ch: str) -> list[tuple]:
+    def _then(self, below: tuple, ch: str, value=None) -> list[tuple]:
         """A value that may end here ended before `ch`, which the container below reads."""
-        return self._step(below, 0, ch) if below else []
+        return [step for frames, _ in self._done(below, value) for step in self._step(frames, 0, ch)] if below else []
 
     def _begin(self, below: tuple, index: int, ch: str) -> list[tuple]:
         node = self.nodes[index]
@@ -146,20 +151,25 @@ class SchemaGrammar(CharGrammar):
         if kind in ("object", "array"):
             if ch != ("{" if kind == "object" else "["):
                 return []
-            return [(below + (("o", index, "first", 0, "") if kind == "object" else ("a", index, "first", 0),), 0)]
+            if kind == "object":
+                return [(below + (("o", index, "first", 0, ""),), 0)]
+            return [(below + (("a", index, "first", 0, *((frozenset(),) if node.unique else ())),), 0)]
+        seen = _seen(below)
         if kind == "string":
             if ch != '"':
                 return []
-            if node.pattern is not None:
-                return [(below + (("p", index, 0, "", node.pattern.initial()),), 0)]
+            if node.pattern is not None or seen is not None:  # a unique array's item keeps its text
+                positions = node.pattern.initial() if node.pattern is not None else None
+                return [(below + (("p", index, 0, "", positions, None if seen is None else ""),), 0)]
             return [(below + (("s", index, 0, 0),), 0)]
         if kind == "literal":
             return self._literal(below, ("l", index, ""), ch)
         start = number_start(ch)
         if start is None:
             return []
-        if node.bounds is not None:
-            return [(below + (("r", index, *start, ch),), 0)] if node.bounds.reachable(ch) else []
+        if node.bounds is not None or seen is not None:  # a unique array's number keeps its text
+            reachable = number_range(node).reachable(ch, numbers_in(seen or frozenset()))
+            return [(below + (("r", index, *start, ch),), 0)] if reachable else []
         return [(below + (("n", index, *start),), 0)]
 
     def _string(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
@@ -183,59 +193,72 @@ class SchemaGrammar(CharGrammar):
         text decodes to it (an escape once whole), and takes it only if the string can still close
         matching, within its length bounds. `escape` holds the escape begun: "", "\\", or "u" and its
         hex digits so far. \\u escapes are for control characters only (others are written as they are),
-        so that an escape is begun only where some way to finish it fits the pattern."""
-        _, index, count, escape, positions = top
+        so that an escape is begun only where some way to finish it fits the pattern.
+        A unique array's string item comes here too, without a pattern: `text` (else None) is what it
+        decodes to so far, and a character is taken only if the item can still end as a new value."""
+        _, index, count, escape, positions, text = top
         node = self.nodes[index]
         if escape == "":
             if ch == '"':
-                return self._done(below) if count >= node.min_length and node.pattern.accepts(positions) else []
+                if count < node.min_length or (node.pattern is not None and not node.pattern.accepts(positions)):
+                    return []
+                return self._done(below, None if text is None else ("string", text))
             if ch == "\\":
-                return self._escape_begun(below, index, count, "\\", positions)
-            return self._pattern_read(below, index, count, positions, ch) if ord(ch) >= 0x20 else []
+                return self._escape_begun(below, top, "\\")
+            return self._pattern_read(below, top, ch) if ord(ch) >= 0x20 else []
         if escape == "\\":
             if ch == "u":
-                return self._escape_begun(below, index, count, "u", positions)
+                return self._escape_begun(below, top, "u")
             decoded = JSON_ESCAPES.get(ch)
-            return self._pattern_read(below, index, count, positions, decoded) if decoded is not None else []
+            return self._pattern_read(below, top, decoded) if decoded is not None else []
         if ch not in HEX:
             return []
         if len(escape) < 4:
-            return self._escape_begun(below, index, count, escape + ch, positions)
+            return self._escape_begun(below, top, escape + ch)
         code = int(escape[1:] + ch, 16)
-        return self._pattern_read(below, index, count, positions, chr(code)) if code < 0x20 else []
+        return self._pattern_read(below, top, chr(code)) if code < 0x20 else []
 
-    def _escape_begun(self, below: tuple, index: int, count: int, escape: str, positions: frozenset) -> list[tuple]:
+    def _escape_begun(self, below: tuple, top: tuple, escape: str) -> list[tuple]:
         """The string with `escape` begun, if some character it may still decode to can be read."""
         if escape == "\\":
             candidates = list(JSON_ESCAPES.values()) + [chr(c) for c in range(0x20)]
         else:
             candidates = [chr(c) for c in range(0x20) if f"{c:04x}".startswith(escape[1:].lower())]
-        if any(self._pattern_read(below, index, count, positions, c) for c in candidates):
-            return [(below + (("p", index, count, escape, positions),), 0)]
+        if any(self._pattern_read(below, top, c) for c in candidates):
+            return [(below + (top[:3] + (escape,) + top[4:],), 0)]
         return []
 
-    def _pattern_read(self, below: tuple, index: int, count: int, positions: frozenset, decoded: str) -> list[tuple]:
+    def _pattern_read(self, below: tuple, top: tuple, decoded: str) -> list[tuple]:
+        _, index, count, _, positions, text = top
         node = self.nodes[index]
-        after = node.pattern.step(positions, decoded)
-        if not after or not node.pattern.can_finish(after, count + 1, node.min_length, node.max_length):
+        if node.pattern is not None:
+            positions = node.pattern.step(positions, decoded)
+            if not positions or not node.pattern.can_finish(positions, count + 1, node.min_length, node.max_length):
+                return []
+        elif node.max_length is not None and count >= node.max_length:
             return []
+        if text is not None:
+            text += decoded
+            if not fresh_string_exists(node, text, _seen(below)):
+                return []
         # counted only as far as a bound needs, so that states (and their masks) repeat along the text
         count = count + 1 if node.max_length is not None else min(count + 1, node.min_length)
-        return [(below + (("p", index, count, "", after),), 0)]
+        return [(below + (("p", index, count, "", positions, text),), 0)]
 
     def _literal(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
         _, index, written = top
-        texts = self.nodes[index].texts
+        seen = _seen(below)
+        texts = [t for t in self.nodes[index].texts if seen is None or literal_value(t) not in seen]
         text = written + ch
         out = []
         longer = [t for t in texts if t.startswith(text)]
         if longer:
             if longer == [text]:  # whole, and nothing longer: the value is done
-                out += self._done(below)
+                out += self._done(below, literal_value(text))
             else:
                 out.append((below + (("l", index, text),), 0))
         if written in texts:  # a whole value (a number a longer one extends) that may end before ch
-            out += self._then(below, ch)
+            out += self._then(below, ch, literal_value(written))
         return out
 
     def _number(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
@@ -249,12 +272,13 @@ class SchemaGrammar(CharGrammar):
         """A number with bounds: its text is kept, each character taken only if the number can still
         end within them, and no exponent (whose value the prefix cannot bound)."""
         _, index, phase, digits, text = top
-        node = self.nodes[index]
-        nxt = number_step(phase, digits, ch, integer=node.bounds.integer)  # a multipleOf's number is written whole
+        bounds, seen = number_range(self.nodes[index]), _seen(below)
+        nxt = number_step(phase, digits, ch, integer=bounds.integer)  # a multipleOf's number is written whole
         if nxt is not None and nxt[0] not in ("exp", "expsign", "expdigit"):
-            return [(below + (("r", index, *nxt, text + ch),), 0)] if node.bounds.reachable(text + ch) else []
-        if phase in NUMBER_ENDS and node.bounds.admits(Fraction(text)):
-            return self._then(below, ch)
+            reachable = bounds.reachable(text + ch, numbers_in(seen or frozenset()))
+            return [(below + (("r", index, *nxt, text + ch),), 0)] if reachable else []
+        if phase in NUMBER_ENDS and bounds.admits(Fraction(text)):
+            return self._then(below, ch, ("number", Fraction(text)))
         return []
 
     def _object(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
@@ -288,23 +312,26 @@ class SchemaGrammar(CharGrammar):
         return []
 
     def _array(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
-        _, index, phase, count = top
+        _, index, phase, count = top[:4]
+        values = top[4:]  # a unique array's: (the values of its items so far,)
         node = self.nodes[index]
         if ch == "]" and phase in ("first", "after"):
             return self._done(below) if count >= node.min_items else []
+        if values and not fresh_item_exists(self.nodes, self.unique_leaves[index], values[0]):
+            return []  # every value its items may take is there already
         if phase == "after":
             if ch != "," or (node.max_items is not None and count >= node.max_items):
                 return []
             if count >= node.min_items and not self.fits(node.items, len(below) + 1):
                 return []
-            return [(below + (("a", index, "next", count),), 0)]
+            return [(below + (("a", index, "next", count, *values),), 0)]
         if node.items is None or (node.max_items is not None and count >= node.max_items):
             return []
         if count >= node.min_items and not self.fits(node.items, len(below) + 1):
             return []  # an item it need not have and could not finish
         counted = count + 1 if node.max_items is not None else min(count + 1, node.min_items)
         out = []
-        for frames in self._pushes(below + (("a", index, "after", counted),), node.items):
+        for frames in self._pushes(below + (("a", index, "after", counted, *values),), node.items):
             out += self._step(frames, 0, ch)  # ch is the item's first character
         return out
 
@@ -325,3 +352,8 @@ class JsonSchemaConstraint(GrammarConstraint):
         examples = grammar.completion_characters() & token_vocab(tokenizer).single_chars
         super().__init__(tokenizer, grammar, characters=JSON_CHARACTERS | examples, texts=grammar.literal_texts(),
                          writes="this schema's JSON")
+
+
+def _seen(below: tuple) -> frozenset | None:
+    """The values of the unique array whose item is being written above `below`, or None (not in one)."""
+    return below[-1][4] if below and below[-1][0] == "a" and len(below[-1]) > 4 else None

@@ -93,11 +93,11 @@ class NumberRange:
             return False
         return self.high is None or value < self.high or (not self.high_open and value == self.high)
 
-    def reachable(self, text: str) -> bool:
+    def reachable(self, text: str, excluding: frozenset[Fraction] = frozenset()) -> bool:
         """Some number whose text starts with `text` (a prefix of a number without exponent, "" and "-"
-        included) lies within the bounds."""
+        included) lies within the bounds, and is not one of `excluding` (values within them)."""
         if not text:
-            return any(self.reachable(start) for start in "-0123456789")
+            return any(self.reachable(start, excluding) for start in "-0123456789")
         negative = text.startswith("-")
         body = text[1:] if negative else text
         whole, point, fraction = body.partition(".")
@@ -107,9 +107,26 @@ class NumberRange:
                 first = max(first, self.least)
             if self.greatest is not None:
                 last = min(last, self.greatest)
-            if -(-first // self.step) * self.step <= last:  # a multiple of the step (of 1, without one)
+            taken = [v * self.unit for v in excluding]
+            if self._multiples(first, last) > sum(first <= g <= last and g.denominator == 1 and not g.numerator % self.step
+                                                  for g in taken):
                 return True
         return False
+
+    def count(self) -> float:
+        """How many numbers the grammar can write within the bounds (inf: an end is open)."""
+        if self.least is None or self.greatest is None:
+            return math.inf
+        return self._multiples(self.least, self.greatest)
+
+    def values(self) -> list[Fraction]:
+        """The numbers within the bounds, when they are few (see `count`)."""
+        low = -(-self.least // self.step)
+        return [Fraction(k * self.step, self.unit) for k in range(low, self.greatest // self.step + 1)]
+
+    def _multiples(self, first: int, last: int) -> int:
+        """Multiples of the step (of 1, without one) from grid point `first` to `last`."""
+        return max(0, last // self.step - -(-first // self.step) + 1)
 
 
 def _tighter(given: dict, word: str, exclusive_word: str, pick) -> tuple[Fraction | None, bool]:

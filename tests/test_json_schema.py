@@ -83,8 +83,21 @@ PATTERNED = {  # patterns and formats as pydantic writes them (constr(pattern=..
     },
     "required": ["code", "word", "even", "quote", "day"],
 }
+UNIQUE = {  # uniqueItems, as pydantic writes it for set[...] fields: items that must all differ
+    "type": "object",
+    "properties": {
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 2}, "uniqueItems": True},
+        "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "uniqueItems": True, "minItems": 2},
+        "small": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 3}, "uniqueItems": True},
+        "mixed": {"type": "array", "items": {"type": ["number", "boolean", "null"]}, "uniqueItems": True, "maxItems": 6},
+        "letters": {"type": "array", "items": {"anyOf": [{"type": "string", "maxLength": 1}, {"const": "ab"}]},
+                    "uniqueItems": True},
+        "free": {"type": "array", "items": {"type": "object"}, "uniqueItems": False},
+    },
+    "required": ["tags", "colors", "small"],
+}
 SCHEMAS = {"person": PERSON, "tree": TREE, "pet": PET, "list": LIST, "free": FREE, "chain": CHAIN, "bounded": BOUNDED,
-           "patterned": PATTERNED}
+           "patterned": PATTERNED, "unique": UNIQUE}
 FORMATS_CHECKED = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
 
@@ -142,6 +155,19 @@ def _grammar(schema) -> SchemaGrammar:
     (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1,"even":-8}', False),
     (BOUNDED, '{"count":1,"ratio":0.5,"below":-20,"window":10,"exact":0.25,"whole":1,"round":30}', False),
     (FREE, '{"a":}', False),
+    (UNIQUE, '{"tags":["a","ab",""],"colors":["red","blue"],"small":[3,1,2]}', True),
+    (UNIQUE, '{"tags":[],"colors":["green","red"],"small":[],"mixed":[1,true,null,0,-1.5,false],"free":[{},{}]}', True),
+    (UNIQUE, '{"tags":["a","a"],"colors":["red","blue"],"small":[1]}', False),
+    (UNIQUE, '{"tags":["\\n","\\u000a"],"colors":["red","blue"],"small":[1]}', False),  # one string, escaped twice
+    (UNIQUE, '{"tags":[],"colors":["red","red"],"small":[1]}', False),
+    (UNIQUE, '{"tags":[],"colors":["red"],"small":[1]}', False),  # minItems
+    (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[1,2,3,1]}', False),
+    (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"mixed":[1,1.0]}', False),  # one number
+    (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"mixed":[0,-0]}', False),
+    (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"mixed":[2.50,2.5]}', False),
+    (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"mixed":[true,true]}', False),
+    (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"letters":["a","ab","b"]}', True),
+    (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"letters":["b","b"]}', False),
 ])
 def test_the_grammar_agrees_with_the_reference_validator(schema, text, valid):
     assert _grammar(schema).accepts(text) is valid
@@ -260,7 +286,13 @@ def _completed_walks(grammar, alphabet, rng, walks: int, most: int, closers: str
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a", "format": "date"}}}, "beside a format"),
     ({"type": "object", "properties": {"a": {"type": "string", "format": "ipv4network"}}}, "a.format: 'ipv4network'"),
     ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.01}}}, "multipleOf: only a whole"),
-    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "'uniqueItems'"),
+    ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "a.uniqueItems: only items"),
+    ({"type": "array", "items": {"type": "object"}, "uniqueItems": True}, "not objects"),
+    ({"type": "array", "items": {"type": "string", "format": "date"}, "uniqueItems": True}, "a pattern or a format"),
+    ({"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True, "minItems": 3}, "fewer than minItems 3"),
+    ({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1}, "uniqueItems": True, "minItems": 3},
+     "fewer than minItems 3"),
+    ({"type": "array", "items": {"type": "boolean"}, "uniqueItems": "yes"}, "uniqueItems: true or false"),
     ({"type": "object", "properties": {"a": {"type": "number", "minimum": 5, "maximum": 3}}}, "no number lies within"),
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0.2, "maximum": 0.8}}}, "no integer"),
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 10**20}}}, "no integer"),  # over 19 digits
@@ -291,7 +323,7 @@ def test_what_the_grammar_cannot_honour_is_refused_naming_it(schema, keyword):
 def test_the_token_mask_is_exactly_the_tokens_the_grammar_accepts_whole(json_tokenizer):  # noqa: F811
     strings = [json_tokenizer.decode([i]) for i in range(len(json_tokenizer))]
     rng = random.Random(5)
-    for schema in (PERSON, FREE):
+    for schema in (PERSON, FREE, UNIQUE, SHORT_SET):
         for _ in range(5):
             constraint = JsonSchemaConstraint(json_tokenizer, schema)
             grammar = constraint.grammar
@@ -304,6 +336,54 @@ def test_the_token_mask_is_exactly_the_tokens_the_grammar_accepts_whole(json_tok
                 assert mask.tolist() == expected
                 assert mask.any()
                 constraint.advance(rng.choice(mask.nonzero()[:, 0].tolist()))
+
+
+@pytest.mark.parametrize("items, distinct", [
+    ({"type": "integer", "minimum": 1, "maximum": 3}, 3),
+    ({"enum": ["x", 1, 1.0, True]}, 3),  # 1 and 1.0 are one value; true is not 1
+    ({"type": ["boolean", "null"]}, 3),
+    ({"anyOf": [{"type": "integer", "minimum": 0, "maximum": 1}, {"enum": [0, 1, 2]}]}, 3),
+    ({"type": "string", "maxLength": 0}, 1),
+    ({"type": "integer", "multipleOf": 5, "minimum": -10, "maximum": 10}, 5),
+    ({"type": "number", "minimum": 0.5, "maximum": 0.5}, 1),
+])
+def test_a_unique_array_of_few_values_fills_up_and_never_repeats_one(items, distinct):
+    """Walks that seldom close the array: each completed one validates (no value twice), some hold every
+    value there is, and none reached a dead end (the walk asserts it) when there was none left to add."""
+    schema = {"type": "array", "items": items, "uniqueItems": True}
+    grammar = _grammar(schema)
+    alphabet = sorted(set('[],"-.0123456789 ') | set("".join(grammar.literal_texts())))
+    completed = _completed_walks(grammar, alphabet, random.Random(4), walks=80, most=200, closers="]",
+                                 closing_after=40, closing_odds=0.2)
+    sizes = set()
+    for text in completed:
+        jsonschema.validate(json.loads(text), schema)
+        sizes.add(len(json.loads(text)))
+    assert max(sizes) == distinct and len(completed) > 40
+
+
+SHORT_SET = {"type": "array", "items": {"type": "string", "maxLength": 1}, "uniqueItems": True}
+
+
+def test_a_unique_array_never_offers_a_token_that_would_repeat_an_item(json_tokenizer):  # noqa: F811
+    """Strings of one character that must differ: once "a" is there, a token that would write it again is
+    out of the mask (the shortcut that lets every plain token fit a string is not taken then), and so is a
+    close of the array once every value of a finite kind is used."""
+    ids = {json_tokenizer.decode([i]): i for i in range(len(json_tokenizer))}
+
+    def allowed_after(schema, pieces: list[str]) -> set[str]:
+        constraint = JsonSchemaConstraint(json_tokenizer, schema)
+        for piece in pieces:
+            constraint.advance(ids[piece])
+        return {json_tokenizer.decode([i]) for i in constraint.allowed().nonzero()[:, 0].tolist()}
+
+    allowed = allowed_after(SHORT_SET, ["[", '"', "a", '",', ' "'])
+    assert "a" not in allowed and "b" in allowed and '"' in allowed and "ab" not in allowed
+    small = {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}
+    allowed = allowed_after(small, ["[", "1", ","])
+    assert "2" in allowed and "1" not in allowed and "12" not in allowed
+    allowed = allowed_after(small, ["[", "1", ",", "2"])
+    assert "]" in allowed and "," not in allowed  # no third value is left to write
 
 
 def test_a_key_the_tokenizer_cannot_spell_is_refused(json_tokenizer):  # noqa: F811
@@ -370,10 +450,10 @@ def test_structured_outputs_on_the_api(json_engine):  # noqa: F811
     for answer in finished:
         jsonschema.validate(answer, SMALL)
     assert both.value.param == "guided_json" and spelling.value.param == "guided_json"
-    with pytest.raises(ValueError, match="'uniqueItems' is not supported"):
+    with pytest.raises(ValueError, match="'minProperties' is not supported"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {
-                "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}})
+                "type": "object", "properties": {"a": {"type": "object", "minProperties": 1}}}}})
 
 
 def _parses(text: str) -> bool:
@@ -427,6 +507,8 @@ def test_answers_to_a_pydantic_models_schema_validate_as_that_model():
         stay: datetime.timedelta
         wifi_gateway: IPvAnyAddress
         receipt_folder: pathlib.Path
+        perks: set[Literal["breakfast", "parking", "wifi"]]
+        notes: frozenset[Annotated[str, Field(max_length=3)]]
 
     schema = Booking.model_json_schema()
     grammar = _grammar(schema)
