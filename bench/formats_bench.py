@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import datetime
 import json
 import time
 
 import jsonschema
+import pydantic
 
 from bench.common import load_jsonl, machine, table, write_result
 from deployments.completion_service import ApiLimits, CompletionService
@@ -57,6 +59,15 @@ def response_format(kind: str | None, schema: dict) -> dict | None:
     return {"type": kind} if kind else None
 
 
+FORMAT_CHECKER = jsonschema.FormatChecker()  # jsonschema's own, and duration, which it checks only with isoduration
+_TIMEDELTA = pydantic.TypeAdapter(datetime.timedelta)
+
+
+@FORMAT_CHECKER.checks("duration", raises=pydantic.ValidationError)
+def _is_duration(value) -> bool:
+    return not isinstance(value, str) or _TIMEDELTA.validate_python(value) is not None
+
+
 def judge(text: str, schema: dict) -> tuple[bool, bool]:
     """(parses as a JSON object, validates against `schema`) for an answer's text."""
     try:
@@ -66,7 +77,7 @@ def judge(text: str, schema: dict) -> tuple[bool, bool]:
     if not isinstance(value, dict):
         return False, False
     try:
-        jsonschema.validate(value, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        jsonschema.validate(value, schema, format_checker=FORMAT_CHECKER)
     except jsonschema.ValidationError:
         return True, False
     return True, True

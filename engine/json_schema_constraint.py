@@ -21,8 +21,8 @@ from engine.constraints import DONE, CharGrammar
 from engine.json_constraint import (ESCAPES, HEX, JSON_CHARACTERS, NUMBER_ENDS, WHITESPACE, GrammarConstraint,
                                     number_start, number_step, token_vocab)
 from engine.json_schema import Program, compile_schema, schema_key
-from engine.unique_items import (fresh_item_exists, fresh_string_exists, item_leaves, literal_value, number_range,
-                                 numbers_in, string_budget_is_exact)
+from engine.unique_items import (fresh_item_exists, fresh_match_exists, fresh_string_exists, item_leaves,
+                                 literal_value, number_range, numbers_in, string_budget_is_exact)
 
 JSON_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}  # -> the character
 MAX_CACHED_STEPS = 1 << 17  # for all schemas together: a step's states are kept while it is cached
@@ -239,7 +239,10 @@ class SchemaGrammar(CharGrammar):
             return []
         if text is not None:
             text += decoded
-            if not fresh_string_exists(node, text, _seen(below)):
+            seen = _seen(below)
+            fresh = (fresh_match_exists(node, positions, text, seen) if node.pattern is not None
+                     else fresh_string_exists(node, text, seen))
+            if not fresh:
                 return []
         # counted only as far as a bound needs, so that states (and their masks) repeat along the text
         count = count + 1 if node.max_length is not None else min(count + 1, node.min_length)

@@ -1,15 +1,16 @@
 """`uniqueItems` for the schema grammar (pydantic writes it for `set[...]` fields): an array whose items
-are scalars (strings without a pattern or format, numbers, booleans, null, enum and const values) keeps
+are scalars (strings, under a pattern or format too, numbers, booleans, null, enum and const values) keeps
 the values it has so far, and an item is taken only while it can still end as a value not among them,
 so no answer reaches a dead end and none repeats a value.
 
 Values compare as JSON Schema compares them: 1 and 1.0 are one value, true and 1 are two, a string by
-the text it decodes to. Items that are objects or arrays, or strings under a pattern, are refused (a
-ValueError naming the array): their equality is not decided one character at a time here.
+the text it decodes to. Items that are objects or arrays are refused (a ValueError naming the array):
+their equality is not decided one character at a time here.
 """
 from __future__ import annotations
 
 import json
+import math
 from fractions import Fraction
 from functools import lru_cache
 
@@ -73,8 +74,6 @@ def check_unique_items(nodes, index: int, where: str) -> None:
         if node.kind in ("object", "array"):
             raise ValueError(f"{where}.uniqueItems: only items that are strings, numbers, booleans, null or enum "
                              f"and const values are supported, not {node.kind}s")
-        if node.kind == "string" and node.pattern is not None:
-            raise ValueError(f"{where}.uniqueItems: items with a pattern or a format are not supported")
     if array.min_items and not _distinct_at_least(nodes, leaves, array.min_items):
         raise ValueError(f"{where}: its items take fewer than minItems {array.min_items} distinct values, "
                          "and uniqueItems is true")
@@ -86,6 +85,9 @@ def _distinct_at_least(nodes, leaves: list[int], needed: int) -> bool:
         node = nodes[leaf]
         if node.kind == "literal":
             values.update(literal_value(t) for t in node.texts)
+        elif node.kind == "string" and node.pattern is not None:
+            if _matches_at_least(node, needed):
+                return True
         elif node.kind == "string":
             if node.max_length != 0:
                 return True
@@ -107,6 +109,9 @@ def fresh_item_exists(nodes, leaves: list[int], seen: frozenset) -> bool:
         if node.kind == "literal":
             if any(literal_value(t) not in seen for t in node.texts):
                 return True
+        elif node.kind == "string" and node.pattern is not None:
+            if fresh_match_exists(node, node.pattern.initial(), "", seen):
+                return True
         elif node.kind == "string":
             # a string of one character more than its least may be any of ~1.1M: far more than an answer holds
             if node.max_length != 0 or ("string", "") not in seen:
@@ -123,6 +128,83 @@ def fresh_string_exists(node, text: str, seen: frozenset) -> bool:
     not among `seen`: always while it may grow by one character more (see fresh_item_exists)."""
     high = node.max_length
     return (high is None or len(text) < high) or ("string", text) not in seen
+
+
+SMALL_CLASS = 256  # a pattern's class of at most this many characters is read one by one
+
+
+def fresh_match_exists(node, positions: frozenset, text: str, seen: frozenset) -> bool:
+    """A string item under a pattern, begun as `text` with its NFA at `positions` (from which it can still
+    end within its length bounds), can end as a value not among `seen`. The pattern is walked along the
+    rests of the items already there that begin with `text`: a character it allows off them, or an end
+    where none of them ends, is a new value."""
+    rests = {v[len(text):] for kind, v in seen if kind == "string" and v.startswith(text)}
+    if not rests:
+        return True
+    nfa, low, high = node.pattern, node.min_length, node.max_length
+    stack = [("", positions)]
+    while stack:
+        prefix, state = stack.pop()
+        count = len(text) + len(prefix)
+        if nfa.accepts(state) and low <= count and (high is None or count <= high) and prefix not in rests:
+            return True
+        on = {r[len(prefix)] for r in rests if len(r) > len(prefix) and r.startswith(prefix)}
+        for position in state:
+            for cls, nxt in nfa.moves[position]:
+                if _leaves_the_rests(nfa, state, cls, nxt, on, count + 1, low, high):
+                    return True
+        for ch in on:
+            after = nfa.step(state, ch)
+            if after and nfa.can_finish(after, count + 1, low, high):
+                stack.append((prefix + ch, after))
+    return False
+
+
+def _matches_at_least(node, needed: int) -> bool:
+    """At least `needed` strings match a string node's pattern within its length bounds (a walk over the
+    texts it allows, each once; a large class counts as many strings as it has characters)."""
+    nfa, low, high = node.pattern, node.min_length, node.max_length
+    found, stack = 0, [(nfa.initial(), 0)]
+    while stack:
+        state, count = stack.pop()
+        if nfa.accepts(state) and low <= count and (high is None or count <= high):
+            found += 1
+            if found >= needed:
+                return True
+        chars = set()
+        for position in state:
+            for cls, nxt in nfa.moves[position]:
+                if _size(cls) >= needed and nfa.can_finish(nfa.closure([nxt]), count + 1, low, high):
+                    return True
+                chars.update(_characters(cls))
+        for ch in chars:
+            after = nfa.step(state, ch)
+            if after and nfa.can_finish(after, count + 1, low, high):
+                stack.append((after, count + 1))
+    return False
+
+
+def _size(cls) -> float:
+    return math.inf if cls.negated else sum(b - a + 1 for a, b in cls.ranges)
+
+
+def _characters(cls) -> list[str]:
+    """The characters of a class that is not large (see SMALL_CLASS) that a JSON string can hold."""
+    return [chr(code) for a, b in cls.ranges for code in range(a, b + 1) if not 0xD800 <= code <= 0xDFFF]
+
+
+def _leaves_the_rests(nfa, state: frozenset, cls, nxt: int, on: set[str], count: int, low: int, high) -> bool:
+    """Some character of `cls` that is not in `on` can be read at `state` with the string still able to end.
+    A large class: any of its characters reaches `nxt`, so it is enough that the string can end from there."""
+    size = _size(cls)
+    if size > SMALL_CLASS:
+        return size > len(on) and nfa.can_finish(nfa.closure([nxt]), count, low, high)
+    for ch in _characters(cls):
+        if ch not in on:
+            after = nfa.step(state, ch)
+            if after and nfa.can_finish(after, count, low, high):
+                return True
+    return False
 
 
 def string_budget_is_exact(node, text: str, seen: frozenset) -> bool:

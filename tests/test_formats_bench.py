@@ -50,6 +50,9 @@ def test_formats_are_checked_when_answers_are_judged():
     schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}
     assert judge('{"d": "2024-02-28"}', schema) == (True, True)
     assert judge('{"d": "2024-02-30"}', schema) == (True, False)
+    duration = {"type": "object", "properties": {"d": {"type": "string", "format": "duration"}}}
+    assert judge('{"d": "PT5M"}', duration) == (True, True)
+    assert judge('{"d": "10.0"}', duration) == (True, False)
 
 
 def test_every_refinement_fits_the_type_of_the_property_it_refines():

@@ -93,6 +93,9 @@ UNIQUE = {  # uniqueItems, as pydantic writes it for set[...] fields: items that
         "letters": {"type": "array", "items": {"anyOf": [{"type": "string", "maxLength": 1}, {"const": "ab"}]},
                     "uniqueItems": True},
         "free": {"type": "array", "items": {"type": "object"}, "uniqueItems": False},
+        "days": {"type": "array", "items": {"type": "string", "format": "date"}, "uniqueItems": True, "maxItems": 3},
+        "codes": {"type": "array", "items": {"type": "string", "pattern": "^[ab]{1,2}$"}, "uniqueItems": True},
+        "marks": {"type": "array", "items": {"type": "string", "pattern": "^.$"}, "uniqueItems": True},  # a large class
     },
     "required": ["tags", "colors", "small"],
 }
@@ -168,6 +171,12 @@ def _grammar(schema) -> SchemaGrammar:
     (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"mixed":[true,true]}', False),
     (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"letters":["a","ab","b"]}', True),
     (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"letters":["b","b"]}', False),
+    (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"codes":["a","b","ab","ba","aa","bb"]}', True),
+    (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"codes":["ab","a","ab"]}', False),
+    (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"marks":["a","\\"","b"]}', True),
+    (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"marks":["a","b","a"]}', False),
+    (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"days":["2024-01-01","2024-01-02"]}', True),
+    (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"days":["2024-01-01","2024-01-01"]}', False),
 ])
 def test_the_grammar_agrees_with_the_reference_validator(schema, text, valid):
     assert _grammar(schema).accepts(text) is valid
@@ -288,7 +297,8 @@ def _completed_walks(grammar, alphabet, rng, walks: int, most: int, closers: str
     ({"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.01}}}, "multipleOf: only a whole"),
     ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "a.uniqueItems: only items"),
     ({"type": "array", "items": {"type": "object"}, "uniqueItems": True}, "not objects"),
-    ({"type": "array", "items": {"type": "string", "format": "date"}, "uniqueItems": True}, "a pattern or a format"),
+    ({"type": "array", "items": {"type": "string", "pattern": "^[ab]$"}, "uniqueItems": True, "minItems": 3},
+     "fewer than minItems 3"),
     ({"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True, "minItems": 3}, "fewer than minItems 3"),
     ({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1}, "uniqueItems": True, "minItems": 3},
      "fewer than minItems 3"),
@@ -323,7 +333,7 @@ def test_what_the_grammar_cannot_honour_is_refused_naming_it(schema, keyword):
 def test_the_token_mask_is_exactly_the_tokens_the_grammar_accepts_whole(json_tokenizer):  # noqa: F811
     strings = [json_tokenizer.decode([i]) for i in range(len(json_tokenizer))]
     rng = random.Random(5)
-    for schema in (PERSON, FREE, UNIQUE, SHORT_SET):
+    for schema in (PERSON, FREE, UNIQUE, SHORT_SET, CODE_SET):
         for _ in range(5):
             constraint = JsonSchemaConstraint(json_tokenizer, schema)
             grammar = constraint.grammar
@@ -344,6 +354,10 @@ def test_the_token_mask_is_exactly_the_tokens_the_grammar_accepts_whole(json_tok
     ({"type": ["boolean", "null"]}, 3),
     ({"anyOf": [{"type": "integer", "minimum": 0, "maximum": 1}, {"enum": [0, 1, 2]}]}, 3),
     ({"type": "string", "maxLength": 0}, 1),
+    ({"type": "string", "pattern": "^[ab]c?$"}, 4),
+    ({"type": "string", "pattern": "^(?:x|xy|\\n)$"}, 3),  # one a prefix of another; a character written escaped
+    ({"type": "string", "pattern": "^[0-4]$", "minLength": 1}, 5),
+    ({"anyOf": [{"type": "string", "pattern": "^a$"}, {"enum": ["a", "b"]}]}, 2),
     ({"type": "integer", "multipleOf": 5, "minimum": -10, "maximum": 10}, 5),
     ({"type": "number", "minimum": 0.5, "maximum": 0.5}, 1),
 ])
@@ -352,9 +366,9 @@ def test_a_unique_array_of_few_values_fills_up_and_never_repeats_one(items, dist
     value there is, and none reached a dead end (the walk asserts it) when there was none left to add."""
     schema = {"type": "array", "items": items, "uniqueItems": True}
     grammar = _grammar(schema)
-    alphabet = sorted(set('[],"-.0123456789 ') | set("".join(grammar.literal_texts())))
-    completed = _completed_walks(grammar, alphabet, random.Random(4), walks=80, most=200, closers="]",
-                                 closing_after=40, closing_odds=0.2)
+    alphabet = sorted(set('[],"-.0123456789 abcnxy\\') | set("".join(grammar.literal_texts())))
+    completed = _completed_walks(grammar, alphabet, random.Random(4), walks=80, most=400, closers="]",
+                                 closing_after=120, closing_odds=0.2)
     sizes = set()
     for text in completed:
         jsonschema.validate(json.loads(text), schema)
@@ -363,6 +377,7 @@ def test_a_unique_array_of_few_values_fills_up_and_never_repeats_one(items, dist
 
 
 SHORT_SET = {"type": "array", "items": {"type": "string", "maxLength": 1}, "uniqueItems": True}
+CODE_SET = {"type": "array", "items": {"type": "string", "pattern": "^[a-c]{1,2}$"}, "uniqueItems": True, "maxItems": 9}
 
 
 def test_a_unique_array_never_offers_a_token_that_would_repeat_an_item(json_tokenizer):  # noqa: F811
