@@ -157,6 +157,25 @@ def test_openai_client_parses_structured_outputs_into_a_pydantic_model(server):
     assert isinstance(parsed, Capital) and parsed.capital == "Paris"
 
 
+def test_a_unique_items_array_comes_back_without_repeats(server):
+    """Greedy, the embedded model tags a post with one tag four times over; under uniqueItems (a set
+    field in pydantic) each tag it writes is new, and the answer validates."""
+    tags = {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 5}
+
+    def tags_for(schema_tags: dict) -> list[str]:
+        schema = {"type": "object", "properties": {"tags": schema_tags}, "required": ["tags"], "additionalProperties": False}
+        reply = _ask_openai(server, messages=[{"role": "user", "content": "Tag this post about baking bread."}],
+                            max_tokens=96, temperature=0, response_format={
+                                "type": "json_schema", "json_schema": {"name": "tags", "schema": schema}})
+        assert reply.choices[0].finish_reason == "stop"
+        return json.loads(reply.choices[0].message.content)["tags"]
+
+    repeated = tags_for(tags)
+    assert len(set(repeated)) < len(repeated)  # why the test means something
+    unique = tags_for({**tags, "uniqueItems": True})
+    assert len(unique) >= 2 and len(set(unique)) == len(unique)
+
+
 def test_vllms_guided_choice_through_extra_body(server):
     reply = _ask_openai(server, extra_body={"guided_choice": ["London", "Paris", "Rome"]})
     assert reply.choices[0].message.content in ("London", "Paris", "Rome")  # which one is the model's knowledge
