@@ -18,7 +18,9 @@ schema allows, written the way OpenAI's structured outputs write it:
   admit only valid values, e.g. no date past the 28th of February; UNCHECKED_FORMATS, hints, admit
   any) is written only as far as its decoded text can still match, within its length bounds.
 - an array with uniqueItems whose items are scalars never repeats a value (engine.unique_items).
-Keywords that would need more than this (minProperties, other formats, ...) are refused
+- an object with minProperties or maxProperties counts its keys: listed properties are skipped only
+  while enough are left, and free keys (no `properties`) are kept, so that none is written twice.
+Keywords that would need more than this (patternProperties, other formats, ...) are refused
 with a ValueError naming the keyword and where it is, never ignored: an answer that ignored them could fail
 the user's validation.
 """
@@ -35,6 +37,7 @@ from engine.unique_items import check_unique_items
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "discriminator"}
 HANDLED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "uniqueItems",
+           "minProperties", "maxProperties",
            "minLength", "maxLength", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
            "pattern", "format", *BOUND_WORDS}
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
@@ -60,6 +63,14 @@ class Node:
     bounds: NumberRange | None = None  # number, integer: the values it may take (None: any)
     pattern: Nfa | None = field(default=None, compare=False)  # string: what its text must match (None: any)
     options: tuple[int, ...] = ()  # any_of: the alternatives' nodes
+    min_properties: int = 0  # object: how many keys it has at least, and at most (None: no most)
+    max_properties: int | None = None
+    key_node: int | None = None  # object without properties, counted: its keys' node (their texts are kept)
+
+    @property
+    def counted(self) -> bool:
+        """An object whose keys are counted (minProperties or maxProperties)."""
+        return self.kind == "object" and (self.min_properties > 0 or self.max_properties is not None)
 
     def key_choices(self, first: int) -> range:
         """The properties that may come next once those before `first` are settled: the optional ones
@@ -92,8 +103,13 @@ class Program:
             for i, node in enumerate(self.nodes):
                 if node.kind == "any_of":
                     value = min((depth[o] for o in node.options), default=math.inf)
-                elif node.kind == "object":
-                    value = 1 + max((depth[v] for v, needed in zip(node.values, node.required) if needed), default=0)
+                elif node.kind == "object" and node.extra is not None and not node.keys:
+                    value = 1 + (depth[node.extra] if node.min_properties else 0)
+                elif node.kind == "object":  # its required values, and the shallowest optional ones minProperties needs
+                    optional = sorted(depth[v] for v, needed in zip(node.values, node.required) if not needed)
+                    more = max(0, node.min_properties - sum(node.required))
+                    value = 1 + max([depth[v] for v, needed in zip(node.values, node.required) if needed]
+                                    + optional[:more], default=0)
                 elif node.kind == "array":
                     value = 1 + (depth[node.items] if node.min_items else 0)
                 else:
@@ -263,16 +279,26 @@ class _Compiler:
                     raise ValueError(f"{where}.required: {name!r} is required but additionalProperties is false "
                                      "and it is not among the properties")
                 names.append(name)
+        low, high = _bounds(schema, "minProperties", "maxProperties", where)
+        counts = {"min_properties": low, "max_properties": high}
         index = self.add(Node("object"))
         if not names:
             value = None if extra is False else self.compile(extra, f"{where}.additionalProperties")
-            self.program.nodes[index] = Node("object", extra=value)
+            if value is None and low:
+                raise ValueError(f"{where}: minProperties {low} with additionalProperties false and no properties")
+            key = self.add(Node("string")) if low or high is not None else None
+            self.program.nodes[index] = Node("object", extra=value, key_node=key, **counts)
             return index
+        if low > len(names):
+            raise ValueError(f"{where}: minProperties {low} is above its {len(names)} properties (where properties "
+                             "are given, no other key is written)")
+        if high is not None and high < len(set(required)):
+            raise ValueError(f"{where}: maxProperties {high} is below its {len(set(required))} required properties")
         values = tuple(self.compile(properties[n], f"{where}.properties.{n}") if n in properties
                        else self.compile(extra, f"{where}.additionalProperties") for n in names)
         self.program.nodes[index] = Node(
             "object", keys=tuple(json.dumps(n, ensure_ascii=False) for n in names), values=values,
-            required=tuple(n in required for n in names))
+            required=tuple(n in required for n in names), **counts)
         return index
 
 

@@ -135,11 +135,11 @@ class SchemaGrammar(CharGrammar):
     def _done(below: tuple, value=None) -> list[tuple]:
         """A value ended: the container below already awaits what follows it. In a unique array, the
         value (engine.unique_items.canonical, given by the item kinds such an array has) is taken only
-        if new, and then counts among the array's values."""
+        if new, and then counts among the array's values; so is a counted object's free key."""
         seen = _seen(below)
         if seen is None:
             return [(below, 0)]
-        return [] if value in seen else [(below[:-1] + (below[-1][:4] + (seen | {value},),), 0)]
+        return [] if value in seen else [(below[:-1] + (below[-1][:-1] + (seen | {value},),), 0)]
 
     def _then(self, below: tuple, ch: str, value=None) -> list[tuple]:
         """A value that may end here ended before `ch`, which the container below reads."""
@@ -152,7 +152,8 @@ class SchemaGrammar(CharGrammar):
             if ch != ("{" if kind == "object" else "["):
                 return []
             if kind == "object":
-                return [(below + (("o", index, "first", 0, ""),), 0)]
+                counting = (() if not node.counted else (0,) if node.keys else (frozenset(),))
+                return [(below + (("o", index, "first", 0, "", *counting),), 0)]
             return [(below + (("a", index, "first", 0, *((frozenset(),) if node.unique else ())),), 0)]
         seen = _seen(below)
         if kind == "string":
@@ -285,34 +286,58 @@ class SchemaGrammar(CharGrammar):
         return []
 
     def _object(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
-        _, index, phase, first, written = top
+        _, index, phase, first, written = top[:5]
+        tail = top[5:]  # a counted object's: (how many listed keys it has,) or (its free keys so far,)
         node = self.nodes[index]
+        inside = len(below) + 1
         if phase == "keytext":  # a listed key, written whole, whose value can be finished in the depth left
             text = written + ch
-            inside = len(below) + 1
             matches = [j for j in node.key_choices(first) if node.keys[j].startswith(text)
-                       and (node.required[j] or self.fits(node.values[j], inside))]
+                       and self._may_write(node, j, tail, inside)]
             whole = [j for j in matches if node.keys[j] == text]
             if whole:
-                return [(below + (("o", index, "colon", whole[0], ""),), 0)]
-            return [(below + (("o", index, "keytext", first, text),), 0)] if matches else []
+                return [(below + (("o", index, "colon", whole[0], "", *(t + 1 for t in tail)),), 0)]
+            return [(below + (("o", index, "keytext", first, text, *tail),), 0)] if matches else []
+        keys = len(tail[0]) if tail and not node.keys else None  # a counted object's free keys so far
         if phase in ("first", "key") and ch == '"':
             if node.keys:
-                return self._object(below, ("o", index, "keytext", first, ""), ch)
-            if node.extra is None or not self.fits(node.extra, len(below) + 1):
+                return self._object(below, ("o", index, "keytext", first, "", *tail), ch)
+            if node.extra is None or not self.fits(node.extra, inside):
                 return []
-            return [(below + (("o", index, "colon", -1, ""), ("s", None, 0, 0)), 0)]
+            if keys is None:
+                return [(below + (("o", index, "colon", -1, ""), ("s", None, 0, 0)), 0)]
+            if node.max_properties is not None and keys >= node.max_properties:
+                return []
+            return [(below + (("o", index, "colon", -1, "", *tail), ("p", node.key_node, 0, "", None, "")), 0)]
         if phase in ("first", "after") and ch == "}":
-            return self._done(below) if node.may_close(first) else []
+            count = keys if keys is not None else (tail[0] if tail else node.min_properties)
+            return self._done(below) if node.may_close(first) and count >= node.min_properties else []
         if phase == "after" and ch == ",":
-            inside = len(below) + 1
-            more = (any(node.required[j] or self.fits(node.values[j], inside) for j in node.key_choices(first))
-                    if node.keys else node.extra is not None and self.fits(node.extra, inside))
-            return [(below + (("o", index, "key", first, ""),), 0)] if more else []
+            if node.keys:
+                more = any(self._may_write(node, j, tail, inside) for j in node.key_choices(first))
+            else:
+                more = (node.extra is not None and self.fits(node.extra, inside)
+                        and (keys is None or node.max_properties is None or keys < node.max_properties))
+            return [(below + (("o", index, "key", first, "", *tail),), 0)] if more else []
         if phase == "colon" and ch == ":":
             value, after = (node.extra, 0) if first < 0 else (node.values[first], first + 1)
-            return [(frames, 0) for frames in self._pushes(below + (("o", index, "after", after, ""),), value)]
+            return [(frames, 0) for frames in self._pushes(below + (("o", index, "after", after, "", *tail),), value)]
         return []
+
+    def _may_write(self, node, j: int, tail: tuple, inside: int) -> bool:
+        """Listed property j may come next: its value can be finished in the depth left, and, in a counted
+        object (`tail`: the keys written so far), the properties after it can still bring the count within
+        minProperties and maxProperties (the optional ones between are skipped)."""
+        if not (node.required[j] or self.fits(node.values[j], inside)):
+            return False
+        if not tail:
+            return True
+        after = range(j + 1, len(node.keys))
+        required = sum(node.required[k] for k in after)
+        possible = sum(1 for k in after if node.required[k] or self.fits(node.values[k], inside))
+        count = tail[0] + 1
+        high = node.max_properties
+        return (high is None or count + required <= high) and count + possible >= node.min_properties
 
     def _array(self, below: tuple, top: tuple, ch: str) -> list[tuple]:
         _, index, phase, count = top[:4]
@@ -358,5 +383,13 @@ class JsonSchemaConstraint(GrammarConstraint):
 
 
 def _seen(below: tuple) -> frozenset | None:
-    """The values of the unique array whose item is being written above `below`, or None (not in one)."""
-    return below[-1][4] if below and below[-1][0] == "a" and len(below[-1]) > 4 else None
+    """The values of the unique array whose item is being written above `below` (or the keys of the
+    counted object whose free key is), or None (neither)."""
+    if not below:
+        return None
+    frame = below[-1]
+    if frame[0] == "a" and len(frame) > 4:
+        return frame[4]
+    if frame[0] == "o" and frame[2] == "colon" and len(frame) > 5 and isinstance(frame[5], frozenset):
+        return frame[5]
+    return None

@@ -99,8 +99,20 @@ UNIQUE = {  # uniqueItems, as pydantic writes it for set[...] fields: items that
     },
     "required": ["tags", "colors", "small"],
 }
+COUNTED = {  # minProperties / maxProperties (pydantic's dict fields with min_length / max_length)
+    "type": "object",
+    "properties": {
+        "scores": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2,
+                   "maxProperties": 3},
+        "flags": {"type": "object", "additionalProperties": {"type": "boolean"}, "maxProperties": 1},
+        "some": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
+                                                 "c": {"type": "integer"}, "d": {"type": "integer"}},
+                 "required": ["c"], "minProperties": 2, "maxProperties": 3},
+    },
+    "required": ["scores", "some"],
+}
 SCHEMAS = {"person": PERSON, "tree": TREE, "pet": PET, "list": LIST, "free": FREE, "chain": CHAIN, "bounded": BOUNDED,
-           "patterned": PATTERNED, "unique": UNIQUE}
+           "patterned": PATTERNED, "unique": UNIQUE, "counted": COUNTED}
 FORMATS_CHECKED = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
 
@@ -173,6 +185,15 @@ def _grammar(schema) -> SchemaGrammar:
     (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"letters":["b","b"]}', False),
     (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"codes":["a","b","ab","ba","aa","bb"]}', True),
     (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"codes":["ab","a","ab"]}', False),
+    (COUNTED, '{"scores":{"x":1,"y":2},"flags":{"on":true},"some":{"a":1,"c":3}}', True),
+    (COUNTED, '{"scores":{"x":1,"y":2,"z":3},"some":{"a":1,"b":2,"c":3}}', True),
+    (COUNTED, '{"scores":{"x":1,"y":2},"some":{"c":3,"d":4}}', True),
+    (COUNTED, '{"scores":{"x":1},"some":{"a":1,"c":3}}', False),  # minProperties
+    (COUNTED, '{"scores":{"x":1,"x":2},"some":{"a":1,"c":3}}', False),  # one key twice is one property
+    (COUNTED, '{"scores":{"w":0,"x":1,"y":2,"z":3},"some":{"a":1,"c":3}}', False),  # maxProperties
+    (COUNTED, '{"scores":{"x":1,"y":2},"flags":{"on":true,"off":false},"some":{"a":1,"c":3}}', False),
+    (COUNTED, '{"scores":{"x":1,"y":2},"some":{"c":3}}', False),
+    (COUNTED, '{"scores":{"x":1,"y":2},"some":{"a":1,"b":2,"c":3,"d":4}}', False),
     (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"marks":["a","\\"","b"]}', True),
     (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"marks":["a","b","a"]}', False),
     (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"days":["2024-01-01","2024-01-02"]}', True),
@@ -303,6 +324,11 @@ def _completed_walks(grammar, alphabet, rng, walks: int, most: int, closers: str
     ({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1}, "uniqueItems": True, "minItems": 3},
      "fewer than minItems 3"),
     ({"type": "array", "items": {"type": "boolean"}, "uniqueItems": "yes"}, "uniqueItems: true or false"),
+    ({"type": "object", "properties": {"a": {}}, "minProperties": 2}, "minProperties 2 is above its 1 properties"),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1},
+     "maxProperties 1 is below its 2 required"),
+    ({"type": "object", "additionalProperties": False, "minProperties": 1}, "minProperties 1 with additionalProp"),
+    ({"type": "object", "minProperties": -1}, "minProperties: a count"),
     ({"type": "object", "properties": {"a": {"type": "number", "minimum": 5, "maximum": 3}}}, "no number lies within"),
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0.2, "maximum": 0.8}}}, "no integer"),
     ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 10**20}}}, "no integer"),  # over 19 digits
@@ -333,7 +359,7 @@ def test_what_the_grammar_cannot_honour_is_refused_naming_it(schema, keyword):
 def test_the_token_mask_is_exactly_the_tokens_the_grammar_accepts_whole(json_tokenizer):  # noqa: F811
     strings = [json_tokenizer.decode([i]) for i in range(len(json_tokenizer))]
     rng = random.Random(5)
-    for schema in (PERSON, FREE, UNIQUE, SHORT_SET, CODE_SET):
+    for schema in (PERSON, FREE, UNIQUE, SHORT_SET, CODE_SET, COUNTED):
         for _ in range(5):
             constraint = JsonSchemaConstraint(json_tokenizer, schema)
             grammar = constraint.grammar
@@ -465,10 +491,10 @@ def test_structured_outputs_on_the_api(json_engine):  # noqa: F811
     for answer in finished:
         jsonschema.validate(answer, SMALL)
     assert both.value.param == "guided_json" and spelling.value.param == "guided_json"
-    with pytest.raises(ValueError, match="'minProperties' is not supported"):
+    with pytest.raises(ValueError, match="'patternProperties' is not supported"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {
-                "type": "object", "properties": {"a": {"type": "object", "minProperties": 1}}}}})
+                "type": "object", "properties": {"a": {"type": "object", "patternProperties": {"^x": {}}}}}}})
 
 
 def _parses(text: str) -> bool:
@@ -524,6 +550,7 @@ def test_answers_to_a_pydantic_models_schema_validate_as_that_model():
         receipt_folder: pathlib.Path
         perks: set[Literal["breakfast", "parking", "wifi"]]
         notes: frozenset[Annotated[str, Field(max_length=3)]]
+        extras: Annotated[dict[str, int], Field(min_length=1, max_length=2)]
 
     schema = Booking.model_json_schema()
     grammar = _grammar(schema)
