@@ -73,6 +73,10 @@ class DispatchConfig(BaseModel):
         "turns, as the Decoder's prefix router saw them sent) in different micro-batches, so each goes to its "
         "holder; a micro-batch runs on one replica. Only while more than one micro-batch may still go out: "
         "else they would wait for one to end. No effect without the prefix router.")
+    caller_check_s: float = Field(
+        5.0, gt=0, description="A decoder running a micro-batch asks this often whether the batcher replica that "
+        "sent it is still alive, and aborts it if not: Ray lets a stream decode on for a caller that died, and "
+        "the batcher Serve starts in its place has the requests sent again.")
 
 
 class RequestFailed(RuntimeError):

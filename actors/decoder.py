@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from deployments.autoscaling import SEQUENCES_METRIC
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -26,6 +26,7 @@ from graph.context_store import prefix_key
 
 
 log = logging.getLogger(__name__)
+_CALLER_GONE = object()  # put in a micro-batch's queue when the batcher that sent it is found dead
 
 
 def exit_replica(error: BaseException) -> None:
@@ -43,11 +44,15 @@ class DecoderReplica:
     """Wrap with `serve.deployment`; `context_cache` is a handle to the ContextCache actor, or None."""
 
     def __init__(self, engine_config: dict, context_cache=None, name: str = "decoder", engine=None, observer=None,
-                 on_engine_death: Callable[[BaseException], None] | None = None):
+                 on_engine_death: Callable[[BaseException], None] | None = None,
+                 caller_alive: Callable[[object], Awaitable[bool]] | None = None):
         """`engine`: an already built engine (tests); otherwise one is loaded from `engine_config`.
         `observer`: deployments.metrics.DecoderMetrics, or None. `on_engine_death`: see AsyncEngine
         (the Serve deployment passes `exit_replica`). A micro-batch running when the engine dies raises
-        EngineDeadError, so the batcher re-queues its unfinished requests elsewhere."""
+        EngineDeadError, so the batcher re-queues its unfinished requests elsewhere. `caller_alive`: whether
+        a micro-batch's `caller` (its batcher replica, which the Serve deployment names in the batch) is
+        alive, asked every `caller_check_s` of the batch while it runs; a micro-batch whose caller died is
+        aborted (None: never asked)."""
         if engine is None:
             from engine.engine import LLMEngine
 
@@ -58,7 +63,9 @@ class DecoderReplica:
         self._prefix_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._computing: set[str] = set()  # prefixes a running request's prefill is caching here
         self.observer = observer
-        self.counts = {"prefix_local": 0, "prefix_fetched": 0, "prefix_computed": 0, "prefix_fetch_failed": 0}
+        self.caller_alive = caller_alive
+        self.counts = {"prefix_local": 0, "prefix_fetched": 0, "prefix_computed": 0, "prefix_fetch_failed": 0,
+                       "orphaned_batches": 0}
         self._drafts_reported = (0, 0)  # the engine's (draft, kept) token counts the observer has heard of
         self._pumps: dict[str, asyncio.Task] = {}  # request id -> the task streaming it, while its micro-batch runs
         self._aborted: set[str] = set()  # ids `abort` cancelled, whose micro-batch goes on for the others
@@ -111,6 +118,9 @@ class DecoderReplica:
             self._pumps[request.id] = task
             tasks.append(task)
         unfinished, answered = len(requests), set()
+        watcher = None
+        if self.caller_alive is not None and batch.get("caller") is not None:
+            watcher = asyncio.create_task(self._watch_caller(batch["caller"], batch.get("caller_check_s", 5.0), queue))
         try:
             while unfinished:
                 ready = [await queue.get()]
@@ -118,6 +128,11 @@ class DecoderReplica:
                     ready.append(queue.get_nowait())
                 out = []
                 for item in ready:
+                    if item is _CALLER_GONE:
+                        self.counts["orphaned_batches"] += 1
+                        log.warning("the batcher that sent a micro-batch of %d died; aborting its %d unfinished "
+                                    "requests (the batcher Serve starts has them sent again)", len(requests), unfinished)
+                        return  # (below: what still runs is cancelled)
                     if isinstance(item, EngineDeadError):
                         if out:
                             yield out  # what finished before the engine died stays finished
@@ -138,10 +153,19 @@ class DecoderReplica:
                     yield out
             await self._report_drafts()
         finally:
+            if watcher is not None:
+                watcher.cancel()
             for request, task in zip(requests, tasks):
                 task.cancel()  # a consumer that stops early aborts what is still running
                 if self._pumps.get(request.id) is task:
                     del self._pumps[request.id]
+
+    async def _watch_caller(self, caller, every_s: float, queue: asyncio.Queue) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            if not await self.caller_alive(caller):
+                queue.put_nowait(_CALLER_GONE)
+                return
 
     async def abort(self, request: dict) -> int:
         """Abort requests of a micro-batch running here whose callers went away (`{"batch_id": ...,

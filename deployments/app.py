@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 
+import ray
 from fastapi import FastAPI
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from actors.batcher import BatcherActor
+from actors.batcher import BatcherActor, DispatchConfig
 from actors.context_cache import ContextCache
 from actors.decode_client import call_again_if_replica_died
 from actors.decoder import DecoderReplica, exit_replica
@@ -50,7 +51,19 @@ class Decoder(DecoderReplica):
     def __init__(self, engine_config: dict, context_cache: DeploymentHandle | None):
         context = serve.get_replica_context()
         super().__init__(engine_config, context_cache, name=getattr(context, "replica_tag", "decoder"),
-                         observer=DecoderMetrics(), on_engine_death=exit_replica)
+                         observer=DecoderMetrics(), on_engine_death=exit_replica, caller_alive=actor_alive)
+
+
+async def actor_alive(actor) -> bool:
+    """Whether a Ray actor answers (its handle, as the batcher names itself in a micro-batch): False only
+    when Ray says it died, not when it is slow to answer."""
+    try:
+        await asyncio.wait_for(actor.__ray_ready__.remote(), timeout=30)
+    except ray.exceptions.ActorDiedError:
+        return False
+    except (asyncio.TimeoutError, ray.exceptions.RayActorError):  # slow, or unreachable for now
+        return True
+    return True
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -95,7 +108,10 @@ class Batcher(BatcherActor):
                  routing_priority: RoutingPriority = "normal"):
         lower_routing_priority(routing_priority)
         stream = decoder.options(stream=True)
-        super().__init__(config, send_batch=lambda batch: stream.run_batch.remote(batch),
+        # the decoders ask whether this replica still lives (actors.decoder: Ray would have them decode on)
+        me = {"caller": ray.get_runtime_context().current_actor,
+              "caller_check_s": DispatchConfig(**(dispatch or {})).caller_check_s}
+        super().__init__(config, send_batch=lambda batch: stream.run_batch.remote({**batch, **me}),
                          predict=_predict_through(predictor) if predictor is not None else None,
                          dispatch=dispatch, observer=BatcherMetrics(),
                          abort_on_decoder=lambda call: decoder.abort.remote(call),

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def server():
     args = {"engine": {"max_batch_size": 8, "max_model_len": 1024, "num_threads": 2},
-            "limits": {"default_max_tokens": 48, "max_tokens_limit": 256}}
+            "limits": {"default_max_tokens": 48, "max_tokens_limit": 256},
+            "dispatch": {"caller_check_s": 1.0}}  # the batcher's death is noticed within the last test's answers
     with serve_plato(args) as base_url, httpx.Client(base_url=base_url, timeout=300) as client:
         yield client
 
@@ -338,12 +339,17 @@ def test_answers_in_flight_survive_the_batchers_death(server):
     """Last in this module: it kills the batcher's replica while two answers stream and a third waits
     whole. Serve starts a fresh batcher, empty; each call cut short is sent to it again
     (actors.decode_client.HandleBatcher), a stream resuming after the tokens it had passed on, so every
-    client gets its whole answer, once: greedy, each is the answer it gets from an undisturbed server."""
+    client gets its whole answer, once: greedy, each is the answer it gets from an undisturbed server.
+    The decoder, finding the micro-batches' batcher dead, stops decoding them for nobody."""
     import threading
     import time
     from concurrent.futures import ThreadPoolExecutor
 
     import ray
+    from ray import serve
+
+    decoder = serve.get_deployment_handle("Decoder", app_name="plato")
+    orphaned_before = decoder.stats.remote().result()["orphaned_batches"]
 
     def streamed(content: str) -> tuple[str, dict, list]:
         body = {"model": "embedded:smollm2-135m", "messages": [{"role": "user", "content": content}],
@@ -376,6 +382,7 @@ def test_answers_in_flight_survive_the_batchers_death(server):
     for text, usage, errors in answers:
         assert errors == [] and usage["completion_tokens"] == 96, (errors, usage)
     assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 64
+    assert decoder.stats.remote().result()["orphaned_batches"] > orphaned_before
     deadline = time.monotonic() + 60
     while name in {a["name"] for a in ray.util.list_named_actors(True)} and time.monotonic() < deadline:
         time.sleep(1)
