@@ -137,6 +137,7 @@ class _Compiler:
         unknown = sorted(set(schema) - HANDLED - ANNOTATIONS)
         if unknown:
             raise ValueError(f"{where}: {unknown[0]!r} is not supported (supported: {', '.join(sorted(HANDLED))})")
+        _check_shapes(schema, where)
         if "$ref" in schema:
             if set(schema) - ANNOTATIONS - {"$ref", "$defs", "definitions"}:
                 raise ValueError(f"{where}: $ref beside other keywords is not supported")
@@ -294,6 +295,8 @@ class _Compiler:
                              "are given, no other key is written)")
         if high is not None and high < len(set(required)):
             raise ValueError(f"{where}: maxProperties {high} is below its {len(set(required))} required properties")
+        if isinstance(extra, dict):  # never written beside properties, but a malformed one is still refused
+            self.compile(extra, f"{where}.additionalProperties")
         values = tuple(self.compile(properties[n], f"{where}.properties.{n}") if n in properties
                        else self.compile(extra, f"{where}.additionalProperties") for n in names)
         self.program.nodes[index] = Node(
@@ -332,6 +335,36 @@ FORMATS = {  # each admits valid values only: no year before 1000, no 29th of Fe
     "duration": f"^{_DURATION}$",  # pydantic's timedelta
 }
 UNCHECKED_FORMATS = {"password", "binary", "path"}  # hints that pydantic writes (SecretStr, bytes, Path): any string is valid
+
+
+_COUNT_WORDS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties")
+_SHAPES = {  # keyword -> (what its value must be, the test); a keyword a node of another type never reads is held
+    # to it too: read as absent, a malformed value would loosen the schema its author sent
+    **{w: ("a count", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0) for w in _COUNT_WORDS},
+    **{w: ("a number", lambda v: _is_number(v)) for w in ("minimum", "maximum", "multipleOf")},
+    **{w: ("a number", lambda v: _is_number(v) or isinstance(v, bool)) for w in ("exclusiveMinimum", "exclusiveMaximum")},
+    "type": ("a type name or a list of them", lambda v: isinstance(v, (str, list))),
+    "properties": ("an object of schemas", lambda v: isinstance(v, dict)),
+    "required": ("a list of property names", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v)),
+    **{w: ("a schema (an object or a boolean)", lambda v: isinstance(v, (dict, bool)))
+       for w in ("additionalProperties", "items")},
+    **{w: ("a string", lambda v: isinstance(v, str)) for w in ("pattern", "format", "$ref")},
+    "uniqueItems": ("true or false", lambda v: isinstance(v, bool)),
+    **{w: ("an object of named schemas", lambda v: isinstance(v, dict) and all(isinstance(d, (dict, bool))
+                                                                                for d in v.values()))
+       for w in ("$defs", "definitions")},
+}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_shapes(schema: dict, where: str) -> None:
+    """ValueError naming the first keyword whose value is not of the kind JSON Schema gives it."""
+    for word, (kind, fits) in _SHAPES.items():
+        if word in schema and not fits(schema[word]):
+            raise ValueError(f"{where}.{word}: {kind}, not {schema[word]!r}")
 
 
 def _check_types(types: list, where: str) -> None:

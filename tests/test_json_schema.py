@@ -340,6 +340,13 @@ def _completed_walks(grammar, alphabet, rng, walks: int, most: int, closers: str
     ({"type": "object", "properties": {"a": {"type": "string", "minLength": 3, "maxLength": 2}}}, "below"),
     ({"type": "object", "properties": {"a": {"type": "text"}}}, "not a JSON Schema type"),
     ({"type": "object", "properties": {"a": {"type": [["string"]]}}}, "not a JSON Schema type"),  # was a TypeError
+    ({"type": "object", "properties": {"a": {"type": None}}}, "a.type: a type name or a list of them, not None"),  # was read as no type: any
+    ({"type": "object", "properties": 0}, "schema.properties: an object of schemas, not 0"),  # was read as none
+    ({"type": "object", "properties": {"a": {}}, "required": False}, "required: a list of property names, not False"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": "x"}, "additionalProperties: a schema"),
+    ({"type": "object", "minimum": "nan"}, "schema.minimum: a number, not 'nan'"),  # read by no object, still held
+    ({"type": "object", "$defs": []}, "\\$defs: an object of named schemas"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": None}, "additionalProperties: a schema \\(an object or a boolean\\), not None"),
     ({"type": "object", "required": [["a"]]}, "a list of property names"),  # was a TypeError
     ({"type": "object", "properties": {"a": {"$ref": ["#/$defs/a"]}}}, "properties.a.\\$ref"),  # was a TypeError
     ({"$defs": [{"type": "object"}], "$ref": "#/$defs/0"}, "\\$defs: an object of named schemas"),  # AttributeError
