@@ -162,7 +162,7 @@ def fresh_match_exists(node, positions: frozenset, text: str, seen: frozenset) -
 
 def _matches_at_least(node, needed: int) -> bool:
     """At least `needed` strings match a string node's pattern within its length bounds (a walk over the
-    texts it allows, each once; a large class counts as many strings as it has characters)."""
+    texts it allows, each once; a large class counts as many strings as it has characters, at once)."""
     nfa, low, high = node.pattern, node.min_length, node.max_length
     found, stack = 0, [(nfa.initial(), 0)]
     while stack:
@@ -174,9 +174,10 @@ def _matches_at_least(node, needed: int) -> bool:
         chars = set()
         for position in state:
             for cls, nxt in nfa.moves[position]:
-                if _size(cls) >= needed and nfa.can_finish(nfa.closure([nxt]), count + 1, low, high):
-                    return True
-                chars.update(_characters(cls))
+                if _size(cls) <= SMALL_CLASS:
+                    chars.update(_characters(cls))
+                elif _size(cls) >= needed and nfa.can_finish(nfa.closure([nxt]), count + 1, low, high):
+                    return True  # (a large class with fewer characters than needed is not counted: refused)
         for ch in chars:
             after = nfa.step(state, ch)
             if after and nfa.can_finish(after, count + 1, low, high):
