@@ -120,7 +120,7 @@ class DecoderReplica:
         unfinished, answered = len(requests), set()
         watcher = None
         if self.caller_alive is not None and batch.get("caller") is not None:
-            watcher = asyncio.create_task(self._watch_caller(batch["caller"], batch.get("caller_check_s", 5.0), queue))
+            watcher = asyncio.create_task(self._watch_caller(batch["caller"], batch["caller_check_s"], queue))
         try:
             while unfinished:
                 ready = [await queue.get()]

@@ -194,8 +194,6 @@ class _Compiler:
         if prefix is None:
             raise ValueError(f"{where}.$ref: only references into #/$defs or #/definitions are supported, not {ref!r}")
         definitions = self.document.get(prefix[2:-1], {})
-        if not isinstance(definitions, dict):
-            raise ValueError(f"{prefix[2:-1]}: an object of named schemas, not {type(definitions).__name__}")
         target = definitions.get(ref[len(prefix):])
         if target is None:
             raise ValueError(f"{where}.$ref: {ref!r} names no definition")
@@ -249,8 +247,6 @@ class _Compiler:
         if kind == "array":
             low, high = _bounds(schema, "minItems", "maxItems", where)
             unique = schema.get("uniqueItems", False)
-            if not isinstance(unique, bool):
-                raise ValueError(f"{where}.uniqueItems: true or false, not {unique!r}")
             items = schema.get("items", True)
             if items is False:
                 if low:
@@ -268,11 +264,6 @@ class _Compiler:
         properties = schema.get("properties") or {}
         required = schema.get("required") or []
         extra = schema.get("additionalProperties", True)
-        if not isinstance(properties, dict) or not isinstance(required, list):
-            raise ValueError(f"{where}: properties is an object and required a list")
-        for name in required:
-            if not isinstance(name, str):
-                raise ValueError(f"{where}.required: a list of property names, not {name!r}")
         names = list(properties)
         for name in required:
             if name not in properties:
@@ -337,11 +328,15 @@ FORMATS = {  # each admits valid values only: no year before 1000, no 29th of Fe
 UNCHECKED_FORMATS = {"password", "binary", "path"}  # hints that pydantic writes (SecretStr, bytes, Path): any string is valid
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 _COUNT_WORDS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties")
 _SHAPES = {  # keyword -> (what its value must be, the test); a keyword a node of another type never reads is held
     # to it too: read as absent, a malformed value would loosen the schema its author sent
     **{w: ("a count", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0) for w in _COUNT_WORDS},
-    **{w: ("a number", lambda v: _is_number(v)) for w in ("minimum", "maximum", "multipleOf")},
+    **{w: ("a number", _is_number) for w in ("minimum", "maximum", "multipleOf")},
     **{w: ("a number", lambda v: _is_number(v) or isinstance(v, bool)) for w in ("exclusiveMinimum", "exclusiveMaximum")},
     "type": ("a type name or a list of them", lambda v: isinstance(v, (str, list))),
     "properties": ("an object of schemas", lambda v: isinstance(v, dict)),
@@ -354,10 +349,6 @@ _SHAPES = {  # keyword -> (what its value must be, the test); a keyword a node o
                                                                                 for d in v.values()))
        for w in ("$defs", "definitions")},
 }
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_shapes(schema: dict, where: str) -> None:
@@ -391,11 +382,7 @@ def _string_pattern(schema: dict, where: str) -> Nfa | None:
 
 
 def _bounds(schema: dict, low_word: str, high_word: str, where: str) -> tuple[int, int | None]:
-    low, high = schema.get(low_word, 0), schema.get(high_word)
-    for word in (low_word, high_word):
-        value = schema.get(word, 0)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{where}.{word}: a count, not {value!r}")
+    low, high = schema.get(low_word, 0), schema.get(high_word)  # counts, as _check_shapes found them
     if high is not None and high < low:
         raise ValueError(f"{where}: {high_word} {high} is below {low_word} {low}")
     return low, high

@@ -298,26 +298,24 @@ class SchemaGrammar(CharGrammar):
             if whole:
                 return [(below + (("o", index, "colon", whole[0], "", *(t + 1 for t in tail)),), 0)]
             return [(below + (("o", index, "keytext", first, text, *tail),), 0)] if matches else []
-        keys = len(tail[0]) if tail and not node.keys else None  # a counted object's free keys so far
+        count = (tail[0] if node.keys else len(tail[0])) if tail else None  # a counted object's keys so far
+        room = count is None or node.max_properties is None or count < node.max_properties
         if phase in ("first", "key") and ch == '"':
             if node.keys:
                 return self._object(below, ("o", index, "keytext", first, "", *tail), ch)
-            if node.extra is None or not self.fits(node.extra, inside):
+            if node.extra is None or not self.fits(node.extra, inside) or not room:
                 return []
-            if keys is None:
+            if count is None:
                 return [(below + (("o", index, "colon", -1, ""), ("s", None, 0, 0)), 0)]
-            if node.max_properties is not None and keys >= node.max_properties:
-                return []
             return [(below + (("o", index, "colon", -1, "", *tail), ("p", node.key_node, 0, "", None, "")), 0)]
         if phase in ("first", "after") and ch == "}":
-            count = keys if keys is not None else (tail[0] if tail else node.min_properties)
-            return self._done(below) if node.may_close(first) and count >= node.min_properties else []
+            enough = count is None or count >= node.min_properties
+            return self._done(below) if node.may_close(first) and enough else []
         if phase == "after" and ch == ",":
             if node.keys:
                 more = any(self._may_write(node, j, tail, inside) for j in node.key_choices(first))
             else:
-                more = (node.extra is not None and self.fits(node.extra, inside)
-                        and (keys is None or node.max_properties is None or keys < node.max_properties))
+                more = node.extra is not None and self.fits(node.extra, inside) and room
             return [(below + (("o", index, "key", first, "", *tail),), 0)] if more else []
         if phase == "colon" and ch == ":":
             value, after = (node.extra, 0) if first < 0 else (node.values[first], first + 1)

@@ -101,15 +101,14 @@ class NumberRange:
         negative = text.startswith("-")
         body = text[1:] if negative else text
         whole, point, fraction = body.partition(".")
+        taken = [g for g in (v * self.unit for v in excluding) if g.denominator == 1 and not g.numerator % self.step]
         for start, end in _magnitudes(whole, fraction if point else None, self.unit):
             first, last = (1 - end, -start) if negative else (start, end - 1)  # the grid points it covers
             if self.least is not None:
                 first = max(first, self.least)
             if self.greatest is not None:
                 last = min(last, self.greatest)
-            taken = [v * self.unit for v in excluding]
-            if self._multiples(first, last) > sum(first <= g <= last and g.denominator == 1 and not g.numerator % self.step
-                                                  for g in taken):
+            if self._multiples(first, last) > sum(first <= g <= last for g in taken):
                 return True
         return False
 
