@@ -15,6 +15,26 @@ class ContextCacheConfig(BaseModel):
     max_contexts: int = Field(10_000, ge=1, description="Request contexts (question, plan, node answers) kept.")
 
 
+class ContextCacheClient:
+    """The context cache's Serve handle seen as the object itself (graph.journal.Contexts)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def open(self, request_id: str, question: str) -> None:
+        await self.handle.open.remote(request_id, question)
+
+    async def update(self, request_id: str, plan: dict | None = None, answers: dict | None = None,
+                     failures: dict | None = None, prompts: dict | None = None, facts: dict | None = None) -> bool:
+        return await self.handle.update.remote(request_id, plan, answers, failures, prompts, facts)
+
+    async def get(self, request_id: str) -> dict | None:
+        return await self.handle.get.remote(request_id)
+
+    async def close(self, request_id: str) -> None:
+        await self.handle.close.remote(request_id)
+
+
 class ContextCache:
     """Wrap with `serve.deployment` (num_replicas=1) or `ray.remote`."""
 
@@ -31,8 +51,9 @@ class ContextCache:
     async def open(self, request_id: str, question: str) -> None:
         self.store.open(request_id, question)
 
-    async def update(self, request_id: str, plan: dict | None = None, answers: dict | None = None) -> bool:
-        return self.store.update(request_id, plan, answers)
+    async def update(self, request_id: str, plan: dict | None = None, answers: dict | None = None,
+                     failures: dict | None = None, prompts: dict | None = None, facts: dict | None = None) -> bool:
+        return self.store.update(request_id, plan, answers, failures, prompts, facts)
 
     async def get(self, request_id: str) -> dict | None:
         return self.store.get(request_id)

@@ -32,7 +32,7 @@ class Tokenizing:
 FINAL = ("stop", "length")  # an event's finish_reason that ends the answer (a "cut" one goes on)
 
 
-def _replica_died() -> tuple[type[BaseException], ...]:
+def replica_died_errors() -> tuple[type[BaseException], ...]:
     # not ActorUnavailableError: that replica may live on, still serving the first call of this id
     from ray.exceptions import ActorDiedError
 
@@ -43,15 +43,15 @@ async def call_again_if_replica_died(call: Callable[[], Awaitable], what: str, r
                                     retry_on: tuple[type[BaseException], ...] | None = None):
     """`await call()`, made again while the replica serving it dies under it (up to `retries` times,
     `backoff_s` doubling between; Serve holds a call while no replica of the deployment is up)."""
-    retry_on = retry_on if retry_on is not None else _replica_died()
+    retry_on = retry_on if retry_on is not None else replica_died_errors()
     for attempt in itertools.count():
         try:
             return await call()
         except retry_on as error:
-            await _pause_or_raise(attempt, error, what, retries, backoff_s)
+            await pause_or_raise(attempt, error, what, retries, backoff_s)
 
 
-async def _pause_or_raise(attempt: int, error: BaseException, what: str, retries: int, backoff_s: float) -> None:
+async def pause_or_raise(attempt: int, error: BaseException, what: str, retries: int, backoff_s: float) -> None:
     """Before sending a call again after its replica died: raise `error` once `retries` are spent."""
     if attempt >= retries:
         raise error
@@ -70,7 +70,7 @@ class HandleBatcher:
     def __init__(self, handle, retries: int = 4, backoff_s: float = 0.5,
                  retry_on: tuple[type[BaseException], ...] | None = None):
         self.handle, self.retries, self.backoff_s = handle, retries, backoff_s
-        self.retry_on = retry_on if retry_on is not None else _replica_died()
+        self.retry_on = retry_on if retry_on is not None else replica_died_errors()
 
     async def submit(self, request: dict) -> dict:
         return await call_again_if_replica_died(lambda: self.handle.submit.remote(request), "batcher", self.retries,
@@ -89,7 +89,7 @@ class HandleBatcher:
                 if passed and passed[-1].get("finish_reason") in FINAL:  # all but the result had come
                     yield {"result": _result_of(request, passed)}
                     return
-                await _pause_or_raise(attempt, error, "batcher", self.retries, self.backoff_s)
+                await pause_or_raise(attempt, error, "batcher", self.retries, self.backoff_s)
 
 
 def _resumed(request: dict, passed: list[dict]) -> dict:
@@ -128,6 +128,9 @@ class BatcherClient:
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.engine.encode_chat(messages, add_generation_prompt)
+
+    async def encode(self, text: str) -> list[int]:
+        return self.engine.encode(text)
 
     async def generate(self, request: GenerationRequest) -> Result:
         return Result.model_validate(await self.batcher.submit(request.model_dump(mode="json")))

@@ -20,6 +20,7 @@ SCENARIOS = {
     "scoring": "bench.scoring_bench",
     "serve": "bench.serve_bench",
     "steps": "bench.step_bench",
+    "stream": "bench.stream_bench",
     "turns": "bench.turns_bench",
 }
 

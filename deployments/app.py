@@ -11,6 +11,8 @@ Every request, plain or a plan node, goes through the batcher. Start it with
 from __future__ import annotations
 
 import asyncio
+import itertools
+import uuid
 
 import ray
 from fastapi import FastAPI
@@ -20,8 +22,8 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from actors.batcher import BatcherActor, DispatchConfig
-from actors.context_cache import ContextCache
-from actors.decode_client import call_again_if_replica_died
+from actors.context_cache import ContextCache, ContextCacheClient
+from actors.decode_client import call_again_if_replica_died, pause_or_raise, replica_died_errors
 from actors.decoder import DecoderReplica, exit_replica
 from actors.length_predictor import LengthPredictorReplica
 from actors.planner import PlannerReplica, batcher_service
@@ -124,9 +126,10 @@ class Planner(PlannerReplica):
     """The planner actor (actors.planner), with the app's health report."""
 
     def __init__(self, engine_config: dict, limits: dict, answer: dict, batcher: DeploymentHandle,
-                 routing_priority: RoutingPriority = "normal"):
+                 context_cache: DeploymentHandle | None = None, routing_priority: RoutingPriority = "normal"):
         lower_routing_priority(routing_priority)
-        super().__init__(engine_config, limits, answer, batcher, observer=AnswerMetrics())
+        contexts = ContextCacheClient(context_cache) if context_cache is not None else None
+        super().__init__(engine_config, limits, answer, batcher, observer=AnswerMetrics(), contexts=contexts)
 
     async def health(self) -> dict:
         """Healthy while the decoder deployment is: Serve marks it unhealthy when replicas fail their
@@ -138,23 +141,44 @@ class Planner(PlannerReplica):
 
 
 class HandleBackend:
-    """The ingress's view of the planner deployment (see deployments.api.CompletionBackend)."""
+    """The ingress's view of the planner deployment (see deployments.api.CompletionBackend).
 
-    def __init__(self, planner: DeploymentHandle):
-        self.planner = planner
+    Each planned answer is asked under a key of its own, the planner journaling it under that key in the
+    context cache as it is made. When the planner replica dies under a call, the call is made again (up
+    to `retries` times, `backoff_s` doubling between; Serve starts a fresh replica if none is left), and
+    the replica that gets it takes the answer up from the journal: the answered nodes are kept, and a
+    stream goes on after the text its client already has, under the same chunk id."""
+
+    def __init__(self, planner: DeploymentHandle, retries: int = 4, backoff_s: float = 0.5,
+                 retry_on: tuple[type[BaseException], ...] | None = None):
+        self.planner, self.retries, self.backoff_s = planner, retries, backoff_s
+        self.retry_on = retry_on if retry_on is not None else replica_died_errors()
 
     async def complete(self, request: OpenAIRequest) -> dict:
-        # a planned answer is planned anew if its planner replica dies (a stream, once begun, cannot be)
-        out = await call_again_if_replica_died(lambda: self.planner.complete.remote(request), "planner")
+        call = {"key": uuid.uuid4().hex}
+        out = await call_again_if_replica_died(lambda: self.planner.complete.remote(request, call), "planner",
+                                               self.retries, self.backoff_s, self.retry_on)
         if "error" in out:
             raise RequestError(**out["error"])
         return out
 
     async def stream(self, request: OpenAIRequest):
-        async for chunk in self.planner.options(stream=True).stream.remote(request):
-            if "error" in chunk:
-                raise RequestError(**chunk["error"])
-            yield chunk
+        call = {"key": uuid.uuid4().hex, "sent": "", "opened": False}
+        first: dict | None = None  # the first chunk's id and time, which every later one keeps
+        for attempt in itertools.count():
+            try:
+                async for chunk in self.planner.options(stream=True).stream.remote(request, dict(call)):
+                    if "error" in chunk:
+                        raise RequestError(**chunk["error"])
+                    first = first or {"id": chunk["id"], "created": chunk["created"]}
+                    for choice in chunk["choices"]:
+                        delta = choice.get("delta") or {}
+                        call["sent"] += delta.get("content") or ""
+                        call["opened"] = call["opened"] or "role" in delta
+                    yield {**chunk, **first}
+                return
+            except self.retry_on as error:
+                await pause_or_raise(attempt, error, "planner", self.retries, self.backoff_s)
 
     async def info(self) -> dict:
         return await self.planner.info.remote()
@@ -191,7 +215,7 @@ def build_app(args: dict | None = None) -> Application:
     predictor = LengthPredictor.bind(engine, config.predictor.model_dump(), cache) if config.predictor else None
     batcher = Batcher.bind(config.batcher.model_dump(), config.dispatch.model_dump(), decoder, predictor,
                           config.routing_priority)
-    planner = Planner.bind(engine, config.limits.model_dump(), config.answer.model_dump(), batcher,
+    planner = Planner.bind(engine, config.limits.model_dump(), config.answer.model_dump(), batcher, cache,
                            config.routing_priority)
     ingress = Ingress.options(max_ongoing_requests=config.limits.max_queued_requests + INGRESS_HEADROOM)
     return ingress.bind(planner, batcher, config.model_dump())

@@ -39,7 +39,9 @@ from engine.async_engine import AsyncEngine
 from engine.base import chat_ids, template_renders_tools
 from engine.constraints import make_constraint
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
+from graph.journal import AnswerJournal, Contexts, Resume
 from graph.orchestrator import Answer, Orchestrator, PrioritizedClient
+from graph.router import route
 
 PLAIN_MODE = "ar"
 
@@ -101,6 +103,16 @@ async def _all(calls) -> list:
         raise
 
 
+class PlannedCall(BaseModel):
+    """How the ingress asks for a planned answer: under a key of its own, so that when the planner
+    replica making it dies, the answer can be taken up by another from the context cache, and the
+    text (and opening chunk) its client already has."""
+
+    key: str = Field(min_length=1, description="The answer's key in the context cache, the same on every attempt.")
+    sent: str = Field("", description="The answer's text the client already has, from an earlier attempt.")
+    opened: bool = Field(False, description="Whether the client already has the opening (role) chunk.")
+
+
 def is_planned(request: OpenAIRequest) -> bool:
     """Planning answers one question: a single user message asked in a mode other than `ar`. Any
     other request is answered by plain decoding, whatever its mode."""
@@ -143,9 +155,12 @@ class CompletionService:
     and the limits, decodes it, and shapes the answer the way its endpoint expects."""
 
     def __init__(self, engine: AsyncEngine, limits: ApiLimits, orchestrator: Orchestrator | None = None,
-                 observer=None):
-        """`observer`: deployments.metrics.AnswerMetrics, or None."""
+                 observer=None, contexts: Contexts | None = None):
+        """`observer`: deployments.metrics.AnswerMetrics, or None. `contexts`: the context cache, where
+        planned answers asked with a `PlannedCall` are journaled (graph.journal), or None."""
         self.engine = engine
+        self.contexts = contexts
+        self.resumed = {"answers": 0, "nodes_reused": 0}  # planned answers taken up from the context cache
         self.observer = observer
         self.limits = limits
         self.orchestrator = orchestrator  # answers sot / plato / auto; without it every mode is `ar`
@@ -282,11 +297,65 @@ class CompletionService:
     def _planned(self, request: OpenAIRequest) -> bool:
         return self.orchestrator is not None and is_planned(request)
 
-    async def _plan_and_answer(self, request: ChatCompletionRequest, engine_request: GenerationRequest) -> Answer:
+    def _journal(self, call: PlannedCall | None) -> AnswerJournal | None:
+        return AnswerJournal(self.contexts, call.key) if call is not None and self.contexts is not None else None
+
+    async def _plan_and_answer(self, request: ChatCompletionRequest, engine_request: GenerationRequest,
+                               journal: AnswerJournal | None = None, call: PlannedCall | None = None,
+                               emit=None) -> Answer:
         budget = {"max_tokens": engine_request.params.max_tokens, "stop_on_loop": self.limits.stop_on_loop}
         client = PrioritizedClient(self.orchestrator.client, engine_request.priority)
         orchestrator = Orchestrator(client, self.orchestrator.config.model_copy(update=budget))
-        return await orchestrator.answer(request.messages[0].content, request.mode)
+        saved = await journal.load() if journal is not None else None
+        if saved is not None or (call is not None and call.sent):
+            self.resumed["answers"] += 1
+            self.resumed["nodes_reused"] += len(saved.answers) if saved else 0
+        resume = Resume(saved=saved, sent=call.sent if call else "")
+        return await orchestrator.answer(request.messages[0].content, request.mode, emit, journal, resume)
+
+    async def _planned_stream(self, request: ChatCompletionRequest, engine_request: GenerationRequest,
+                              call: PlannedCall | None, started: float) -> AsyncIterator[dict]:
+        """A planned answer's chunks as its text settles (graph.orchestrator: a plan's paragraphs in plan
+        order, once the plan is complete; a plain answer token by token). Taken up after a planner's death,
+        it sends only what follows the text the client has, and no second opening chunk."""
+        journal = self._journal(call)
+        pieces: asyncio.Queue = asyncio.Queue()
+        ended = object()
+        task = asyncio.create_task(self._plan_and_answer(request, engine_request, journal, call, pieces.put))
+        task.add_done_callback(lambda _: pieces.put_nowait(ended))
+        mode = route(request.messages[0].content)[0] if request.mode == "auto" else request.mode
+        chunk = ChatCompletionChunk(model=self.model_name, choices=[], mode=mode)
+        sent, opened, skipped = (call.sent, call.opened, "") if call else ("", False, "")
+        try:
+            while (piece := await pieces.get()) is not ended:
+                if len(skipped) < len(sent):
+                    cut = len(sent) - len(skipped)
+                    skipped, piece = skipped + piece[:cut], piece[cut:]
+                    if not sent.startswith(skipped):
+                        raise RuntimeError("the answer taken up after its planner died does not start with the "
+                                           "text its client already has")
+                if not piece:
+                    continue
+                if not opened:
+                    opened = True
+                    if self.observer is not None:
+                        self.observer.first_token(time.perf_counter() - started)
+                    yield chunk.opening()
+                yield chunk.piece(piece)
+            answer = task.result()
+            self._observe(answer.mode, True, answer.fallback is not None, started)
+            if not opened:
+                yield chunk.opening()
+            yield chunk.piece("", "stop")
+            if request.include_usage:
+                usage = self._planned_response(request, engine_request, answer).usage
+                yield chunk.model_copy(update={"choices": [], "usage": usage}).model_dump()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            if journal is not None:
+                await journal.end()
 
     def _planned_response(self, request, engine_request, answer: Answer) -> ChatCompletionResponse:
         usage = Usage(prompt_tokens=len(engine_request.prompt_ids), completion_tokens=answer.completion_tokens,
@@ -351,12 +420,20 @@ class CompletionService:
         finally:
             self.choices_in_flight -= choices
 
-    async def complete(self, request: OpenAIRequest) -> ChatCompletionResponse | TextCompletion:
+    async def complete(self, request: OpenAIRequest, call: PlannedCall | None = None
+                       ) -> ChatCompletionResponse | TextCompletion:
+        """The whole answer. A planned one asked with `call` is journaled in the context cache, and taken
+        up from there when an earlier attempt's planner replica died (its answered nodes are kept)."""
         started = time.perf_counter()
         self._check_choices(request)
         engine_requests = await self.to_engine_requests(request)
         if self._planned(request):
-            answer = await self._plan_and_answer(request, engine_requests[0])
+            journal = self._journal(call)
+            try:
+                answer = await self._plan_and_answer(request, engine_requests[0], journal, call)
+            finally:
+                if journal is not None:
+                    await journal.end()
             self._observe(answer.mode, True, answer.fallback is not None, started)
             return self._planned_response(request, engine_requests[0], answer)
         choices = [c for r in engine_requests for c in choice_requests(r, request.n)]
@@ -388,7 +465,7 @@ class CompletionService:
         return [await self.engine.call(lambda engine, p=p, r=r: echo(engine, p, r.prompt_ids))
                 for p, r in zip(request.prompts, engine_requests)]
 
-    async def stream(self, request: OpenAIRequest) -> AsyncIterator[dict]:
+    async def stream(self, request: OpenAIRequest, call: PlannedCall | None = None) -> AsyncIterator[dict]:
         """OpenAI chunk dicts (`chat.completion.chunk`, or `text_completion` for a raw prompt): for
         chat the role first, then text pieces as tokens arrive, the finish reason, then usage when
         `stream_options.include_usage` asks; with n choices (of each prompt), each chunk's choice
@@ -397,18 +474,9 @@ class CompletionService:
         started = time.perf_counter()
         self._check_choices(request)
         engine_requests = await self.to_engine_requests(request)
-        if self._planned(request):  # a planned answer is assembled from its nodes, then sent whole
-            answer = await self._plan_and_answer(request, engine_requests[0])
-            self._observe(answer.mode, True, answer.fallback is not None, started)
-            if self.observer is not None:
-                self.observer.first_token(time.perf_counter() - started)
-            response = self._planned_response(request, engine_requests[0], answer)
-            chunk = ChatCompletionChunk(model=self.model_name, choices=[], mode=response.mode)
-            yield chunk.opening()
-            yield chunk.piece(response.choices[0].message.content)
-            yield chunk.piece("", "stop")
-            if request.include_usage:
-                yield chunk.model_copy(update={"choices": [], "usage": response.usage}).model_dump()
+        if self._planned(request):
+            async for chunk in self._planned_stream(request, engine_requests[0], call, started):
+                yield chunk
             return
         choices = [c for r in engine_requests for c in choice_requests(r, request.n)]
         with self._holding(len(choices)):  # a refusal comes before the first chunk too

@@ -38,18 +38,28 @@ def _lead(text: str) -> str:
     return text if text.endswith((".", "?", "!", ":")) else text + "."
 
 
+def node_paragraph(node: PlanNode, answers: dict[int, str], reasons: dict[int, str], question: str) -> str:
+    """One node's paragraph of the answer, led by its sub-question in bold."""
+    body = clean_answer(answers[node.id], node, question) if node.id in answers else ""
+    if not body:
+        why = "the answer only repeated the question" if node.id in answers else reasons.get(node.id, "no answer")
+        body = f"[not answered: {why}]"
+    return f"**{_lead(node.text)}** {body}"
+
+
 def assemble_answer(plan: Plan, answers: dict[int, str], reasons: dict[int, str] | None = None) -> str:
     """One paragraph per node in plan order, each led by its sub-question in bold. A node without
     a usable answer shows `[not answered: <reason>]`, the reason taken from `reasons` when given."""
-    reasons = reasons or {}
+    return "\n\n".join(node_paragraph(node, answers, reasons or {}, plan.question) for node in plan.nodes)
+
+
+def settled_text(plan: Plan, answers: dict[int, str], reasons: dict[int, str]) -> str:
+    """The start of `assemble_answer` that no later answer can change: the paragraphs of the leading
+    nodes, in plan order, that are answered or failed (`plan` complete). A streamed planned answer sends
+    it as it grows; once every node is settled it is the whole answer."""
     paragraphs = []
     for node in plan.nodes:
-        body = clean_answer(answers[node.id], node, plan.question) if node.id in answers else ""
-        if not body:
-            if node.id in answers:
-                why = "the answer only repeated the question"
-            else:
-                why = reasons.get(node.id, "no answer")
-            body = f"[not answered: {why}]"
-        paragraphs.append(f"**{_lead(node.text)}** {body}")
+        if node.id not in answers and node.id not in reasons:
+            break
+        paragraphs.append(node_paragraph(node, answers, reasons, plan.question))
     return "\n\n".join(paragraphs)

@@ -23,6 +23,9 @@ class _Prefix:
     holders: set[str] = field(default_factory=set)
 
 
+_MERGED = ("question", "plan", "answers", "failures", "prompts", "opened")
+
+
 class ContextStore:
     """`put_prefix` / `get_prefix` with an LRU byte bound; `open` / `update` / `get` for request
     contexts, of which the oldest are dropped past `max_contexts`."""
@@ -76,18 +79,25 @@ class ContextStore:
 
     # ---- request contexts -----------------------------------------------------------------------
     def open(self, request_id: str, question: str) -> None:
-        self._contexts[request_id] = {"question": question, "plan": None, "answers": {}, "opened": time.time()}
+        self._contexts[request_id] = {"question": question, "plan": None, "answers": {}, "failures": {},
+                                      "prompts": {}, "opened": time.time()}
         while len(self._contexts) > self.max_contexts:
             self._contexts.popitem(last=False)
             self.counts["contexts_dropped"] += 1
 
-    def update(self, request_id: str, plan: dict | None = None, answers: dict | None = None) -> bool:
+    def update(self, request_id: str, plan: dict | None = None, answers: dict | None = None,
+               failures: dict | None = None, prompts: dict | None = None, facts: dict | None = None) -> bool:
+        """Add to a request's context: node answers, failure reasons and prompts are merged by node id (as
+        strings, the way they travel as JSON), `plan` and each of `facts` (mode, tokens spent, ...) replace
+        what was there. False when the context is not open (never opened, closed or dropped)."""
         context = self._contexts.get(request_id)
         if context is None:
             return False
         if plan is not None:
             context["plan"] = plan
-        context["answers"].update({str(k): v for k, v in (answers or {}).items()})
+        for name, values in (("answers", answers), ("failures", failures), ("prompts", prompts)):
+            context[name].update({str(k): v for k, v in (values or {}).items()})
+        context.update({k: v for k, v in (facts or {}).items() if k not in _MERGED})
         return True
 
     def get(self, request_id: str) -> dict | None:

@@ -144,6 +144,14 @@ class DagExecution:
         self._finished[node_id] = self.clock()
         return True
 
+    def node_restored(self, node_id: int, answer: str) -> None:
+        """Take a pending node's answer as given (made before, by another planner): it is done without
+        being dispatched here, and its children may start."""
+        if self._require(node_id) is not NodeStatus.PENDING:
+            raise ValueError(f"node {node_id} is {self._status[node_id].value}, not pending: it cannot be restored")
+        self._status[node_id] = NodeStatus.DONE
+        self._answers[node_id] = answer
+
     def node_failed(self, node_id: int, reason: str) -> list[int]:
         """Fail a node and, transitively, every node that needs it; returns the ids failed now."""
         if self._require(node_id) is NodeStatus.DONE:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -17,8 +17,9 @@ from pydantic import BaseModel, Field
 
 from engine.prefix_cache import common_length
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
-from graph.assemble import assemble_answer
-from graph.executor import DagExecution, NodeTiming
+from graph.assemble import assemble_answer, settled_text
+from graph.executor import DagExecution, NodeStatus, NodeTiming
+from graph.journal import AnswerJournal, NodePrompt, Resume, SavedAnswer
 from graph.plan import Plan, PlanNode
 from graph.plan_format import StreamingPlanParser, parse_plan
 from graph.router import route
@@ -36,12 +37,15 @@ from graph.prompts import (
 Mode = Literal["ar", "sot", "plato"]
 RequestMode = Literal["auto", "ar", "sot", "plato"]
 PLAN_END = "\n\n"  # the plan format's end marker (graph.plan_format)
+Emit = Callable[[str], Awaitable[None]]
 
 
 class DecodeClient(Protocol):
     """What the orchestrator needs from the decoding side."""
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+
+    async def encode(self, text: str) -> list[int]: ...
 
     async def generate(self, request: GenerationRequest) -> Result: ...
 
@@ -58,6 +62,9 @@ class PrioritizedClient:
     async def encode_chat(self, messages, add_generation_prompt=True):
         return await self.client.encode_chat(messages, add_generation_prompt)
 
+    async def encode(self, text):
+        return await self.client.encode(text)
+
     async def generate(self, request):
         return await self.client.generate(request.model_copy(update={"priority": self.priority}))
 
@@ -73,6 +80,9 @@ class EngineClient:
 
     async def encode_chat(self, messages, add_generation_prompt=True):
         return await self.engine.call(lambda e: e.encode_chat(messages, add_generation_prompt))
+
+    async def encode(self, text):
+        return await self.engine.call(lambda e: e.encode(text))
 
     async def generate(self, request):
         return await self.engine.generate(request)
@@ -155,6 +165,22 @@ async def fixed_prefix_request(client: DecodeClient, messages: list[dict], param
     return GenerationRequest(prompt_ids=ids, params=params, shared_prefix_len=shared)
 
 
+class TextEmitter:
+    """Hands a streamed answer's text on as it grows: `to(text)` sends what `text` adds to what was
+    sent. What it is given always starts with what it sent (settled text is never taken back)."""
+
+    def __init__(self, emit: Emit | None):
+        self.emit, self.sent = emit, ""
+
+    async def to(self, text: str) -> None:
+        if self.emit is None or len(text) <= len(self.sent):
+            return
+        if not text.startswith(self.sent):
+            raise RuntimeError("a streamed answer's text changed after it was sent")
+        piece, self.sent = text[len(self.sent):], text
+        await self.emit(piece)
+
+
 class Orchestrator:
     """Runs the three modes. All decoding goes through `client`; nothing here blocks."""
 
@@ -162,53 +188,134 @@ class Orchestrator:
         self.client = client
         self.config = config or AnswerConfig()
 
-    async def answer(self, question: str, mode: RequestMode) -> Answer:
+    async def answer(self, question: str, mode: RequestMode, emit: Emit | None = None,
+                     journal: AnswerJournal | None = None, resume: Resume | None = None) -> Answer:
+        """The answer; with `emit`, its text is also handed on as it settles, from its start (a plan's
+        paragraphs in plan order once the plan is complete, a plain answer token by token). With
+        `journal`, what is made is written down as it comes (opened here; the caller closes it once the
+        answer has reached its client); with `resume`, the answer goes on from what an earlier replica
+        journaled and the text its client already has (`emit` starts over from the beginning all the
+        same: the caller skips what was sent)."""
         started = time.perf_counter()
-        reason = None
-        if mode == "auto":
-            mode, reason = route(question)
-        answer = await {"ar": self._ar, "sot": self._sot, "plato": self._plato}[mode](question)
+        emitter = TextEmitter(emit)
+        saved = resume.saved if resume else None
+        sent = resume.sent if resume else ""
+        if saved is not None and saved.mode is not None:
+            mode, reason = saved.mode, saved.routed
+        else:
+            reason = None
+            if mode == "auto":
+                mode, reason = route(question)
+            if journal is not None:
+                if saved is None:
+                    await journal.begin(question)
+                await journal.note(mode=mode, routed=reason)
+        if saved is not None and saved.fallback is not None:
+            answer = await self._ar(question, saved.fallback, saved.tokens, mode, emitter, sent)
+        elif sent and (mode == "ar" or saved is None or saved.plan is None):
+            # the text sent was a plain answer's, or its plan is lost with the context: go on from the text
+            why = None if mode == "ar" else "resumed from the text already sent: the plan was not journaled"
+            answer = await self._ar(question, why, saved.tokens if saved else 0, mode, emitter, sent)
+        elif mode == "ar":
+            answer = await self._ar(question, emitter=emitter)
+        elif mode == "sot":
+            answer = await self._sot(question, emitter, journal, saved)
+        else:
+            answer = await _PlatoRun(self.client, self.config, question, emitter, journal, saved).execute()
+        await emitter.to(answer.text)
         answer.latency_s = time.perf_counter() - started
         answer.routed = reason
         return answer
 
-    async def _ar(self, question: str, fallback: str | None = None, spent: int = 0, planned_as: Mode = "plato") -> Answer:
-        """A plain answer; with `fallback`, the one a `planned_as` answer fell back to (it keeps that mode)."""
+    async def _ar(self, question: str, fallback: str | None = None, spent: int = 0, planned_as: Mode = "plato",
+                  emitter: TextEmitter | None = None, continue_from: str = "") -> Answer:
+        """A plain answer; with `fallback`, the one a `planned_as` answer fell back to (it keeps that mode).
+        With `continue_from`, it goes on after that text (a client has it already)."""
         ids = await self.client.encode_chat([{"role": "user", "content": question}])
-        result = await self.client.generate(
-            GenerationRequest(prompt_ids=ids, params=SamplingParams(max_tokens=self.config.max_tokens,
-                                                                  stop_on_loop=self.config.stop_on_loop))
-        )
-        return Answer(mode=planned_as if fallback else "ar", text=result.text, latency_s=0.0,
-                      completion_tokens=spent + result.completion_tokens, fallback=fallback)
+        resume_ids = await self.client.encode(continue_from) if continue_from else []
+        mode = planned_as if fallback else "ar"
+        if len(resume_ids) >= self.config.max_tokens:  # the text sent was the whole answer
+            return Answer(mode=mode, text=continue_from, latency_s=0.0, completion_tokens=spent + len(resume_ids),
+                          fallback=fallback)
+        request = GenerationRequest(prompt_ids=ids, resume_ids=resume_ids, params=SamplingParams(
+            max_tokens=self.config.max_tokens, stop_on_loop=self.config.stop_on_loop))
+        if emitter is None or emitter.emit is None:
+            result = await self.client.generate(request)
+            text = result.text
+        else:
+            text, result = continue_from, None
+            await emitter.to(text)
+            async for item in self.client.stream(request):
+                if isinstance(item, Result):
+                    result = item
+                else:
+                    text += item.text
+                    await emitter.to(text)
+        return Answer(mode=mode, text=text, latency_s=0.0, fallback=fallback,
+                      completion_tokens=spent + result.completion_tokens)  # the resumed tokens count: they are the answer's
 
-    async def _sot(self, question: str) -> Answer:
-        params = SamplingParams(max_tokens=self.config.plan_max_tokens, stop=[PLAN_END],
-                                presence_penalty=self.config.plan_presence_penalty)
-        skeleton = await self.client.generate(await fixed_prefix_request(self.client, sot_skeleton_messages(question), params))
-        outline = parse_plan(question, skeleton.text, truncated=skeleton.finish_reason is FinishReason.LENGTH)
-        points = [node.text for node in outline.nodes][: self.config.max_nodes]
-        if len(points) < 2:
-            return await self._ar(question, fallback="the outline had fewer than two points", spent=skeleton.completion_tokens,
-                                  planned_as="sot")
+    async def _sot(self, question: str, emitter: TextEmitter | None = None, journal: AnswerJournal | None = None,
+                   saved: SavedAnswer | None = None) -> Answer:
+        tokens = saved.tokens if saved else 0
+        if saved is not None and saved.plan is not None:
+            plan = saved.plan
+        else:
+            params = SamplingParams(max_tokens=self.config.plan_max_tokens, stop=[PLAN_END],
+                                    presence_penalty=self.config.plan_presence_penalty)
+            skeleton = await self.client.generate(
+                await fixed_prefix_request(self.client, sot_skeleton_messages(question), params))
+            tokens += skeleton.completion_tokens
+            outline = parse_plan(question, skeleton.text, truncated=skeleton.finish_reason is FinishReason.LENGTH)
+            points = [node.text for node in outline.nodes][: self.config.max_nodes]
+            if len(points) < 2:
+                why = "the outline had fewer than two points"
+                if journal is not None:
+                    await journal.note(fallback=why, tokens=tokens)
+                return await self._ar(question, fallback=why, spent=tokens, planned_as="sot", emitter=emitter)
+            plan = Plan(question=question, nodes=[PlanNode(id=i, text=t, depends_on=[]) for i, t in enumerate(points, 1)])
+            if journal is not None:
+                await journal.plan(plan, tokens=tokens)
+        points = [node.text for node in plan.nodes]
         point_params = node_params(self.config)
         prompts = [await self.client.encode_chat(sot_point_messages(question, points, i)) for i in range(1, len(points) + 1)]
-        results = await asyncio.gather(
-            *(self.client.generate(GenerationRequest(prompt_ids=p, params=point_params)) for p in prompts)
-        )
-        plan = Plan(question=question, nodes=[PlanNode(id=i, text=t, depends_on=[]) for i, t in enumerate(points, 1)])
-        answers = {i: r.text for i, r in enumerate(results, 1)}
+        answers = dict(saved.answers) if saved else {}
+        settler = _Settler(plan, emitter)
+
+        async def point(i: int) -> None:
+            nonlocal tokens
+            result = await self.client.generate(GenerationRequest(prompt_ids=prompts[i - 1], params=point_params))
+            answers[i] = result.text
+            tokens += result.completion_tokens
+            if journal is not None:
+                await journal.nodes(answers={i: result.text}, tokens=tokens)
+            journaled.add(i)
+            await settler.send(answers, journaled, {})
+
+        journaled = set(answers)
+        await settler.send(answers, journaled, {})  # the points a resumed answer already has
+        await asyncio.gather(*(point(i) for i in range(1, len(points) + 1) if i not in answers))
         return Answer(
-            mode="sot", text=assemble_answer(plan, answers), latency_s=0.0, plan=plan,
-            completion_tokens=skeleton.completion_tokens + sum(r.completion_tokens for r in results),
+            mode="sot", text=assemble_answer(plan, answers), latency_s=0.0, plan=plan, completion_tokens=tokens,
             node_prompt_tokens=sum(map(len, prompts)),
             node_prompt_shareable_tokens=sum(max((common_length(p, q) for q in prompts[:i]), default=0)
                                              for i, p in enumerate(prompts)),
         )
 
-    async def _plato(self, question: str) -> Answer:
-        run = _PlatoRun(self.client, self.config, question)
-        return await run.execute()
+
+class _Settler:
+    """Sends a planned answer's settled text (graph.assemble.settled_text), counting only the answers
+    in `journaled`: a paragraph a client has must be one that another replica can rebuild."""
+
+    def __init__(self, plan: Plan, emitter: TextEmitter | None):
+        self.plan, self.emitter = plan, emitter
+        self.lock = asyncio.Lock()
+
+    async def send(self, answers: dict[int, str], journaled: set[int], failures: dict[int, str]) -> None:
+        if self.emitter is None or self.emitter.emit is None:
+            return
+        async with self.lock:  # sends in order, whichever node's task gets here first
+            kept = {i: a for i, a in answers.items() if i in journaled}
+            await self.emitter.to(settled_text(self.plan, kept, failures))
 
 
 @dataclass
@@ -224,8 +331,12 @@ class _NodeConversation:
 class _PlatoRun:
     """One plato answer: stream the plan, dispatch ready nodes as lines complete, assemble."""
 
-    def __init__(self, client: DecodeClient, config: AnswerConfig, question: str):
+    def __init__(self, client: DecodeClient, config: AnswerConfig, question: str, emitter: TextEmitter | None = None,
+                 journal: AnswerJournal | None = None, saved: SavedAnswer | None = None):
         self.client, self.config, self.question = client, config, question
+        self.emitter, self.journal, self.saved = emitter, journal, saved
+        self.settler: _Settler | None = None  # once the plan is complete
+        self.journaled: set[int] = set()  # answered nodes whose answers are journaled (all, without a journal)
         deadline = time.monotonic() + config.deadline_s if config.deadline_s else None
         self.execution = DagExecution(question, config.max_nodes, deadline=deadline, pipelining=config.pipelining)
         self.tasks: set[asyncio.Task] = set()
@@ -238,6 +349,9 @@ class _PlatoRun:
         self.preamble_ids: list[int] | None = None
 
     async def execute(self) -> Answer:
+        if self.saved is not None and self.saved.plan is not None:
+            await self._restore(self.saved)
+            return await self._finish(self.saved.plan_s)
         try:
             plan_result, plan_s = await self._stream_plan()
         except ValueError:  # the request's own fault (a question too long to plan, say): the caller's to hear
@@ -246,18 +360,50 @@ class _PlatoRun:
             for task in self.tasks:  # nodes of a plan that will not be finished
                 task.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
-            orchestrator = Orchestrator(self.client, self.config)
             why = f"fallback to plain decoding: the plan failed to decode ({type(exc).__name__}: {exc})"
-            return await orchestrator._ar(self.question, fallback=why, spent=self.tokens)
+            return await self._fall_back(why)
         self.tokens += plan_result.completion_tokens
         fallback = self.execution.plan_complete()
         if fallback:
             await self._drain()
-            orchestrator = Orchestrator(self.client, self.config)
-            return await orchestrator._ar(self.question, fallback=fallback, spent=self.tokens)
+            return await self._fall_back(fallback)
+        if self.journal is not None:
+            await self.journal.plan(self.execution.plan, plan_s=plan_s, tokens=self.tokens)
+        return await self._finish(plan_s)
+
+    async def _fall_back(self, why: str) -> Answer:
+        if self.journal is not None:
+            await self.journal.note(fallback=why, tokens=self.tokens)
+        orchestrator = Orchestrator(self.client, self.config)
+        return await orchestrator._ar(self.question, fallback=why, spent=self.tokens, emitter=self.emitter)
+
+    async def _restore(self, saved: SavedAnswer) -> None:
+        """Take up a journaled answer: its complete plan, the nodes already answered or failed (failures
+        that were journaled were sent as such) and the prompts their children continue."""
+        for node in saved.plan.nodes:  # repaired already: repair keeps it as it is
+            self.execution.add_node(node)
+        self.execution.plan_complete()
+        for node_id, reason in saved.failures.items():
+            self.execution.node_failed(node_id, reason)
+        for node_id, text in saved.answers.items():
+            if self.execution.status(node_id) is NodeStatus.PENDING:
+                self.execution.node_restored(node_id, text)
+                prompt = saved.prompts.get(node_id)
+                if prompt is not None:  # no KV kept on this replica to claim (`kept` empty)
+                    self.conversations[node_id] = _NodeConversation(prompt.messages, text, prompt.length, [])
+        self.tokens = saved.tokens
+        self.journaled |= set(saved.answers)
+
+    async def _finish(self, plan_s: float | None) -> Answer:
+        """Decode the plan's open nodes, sending the text as it settles, and assemble the answer."""
+        self.settler = _Settler(self.execution.plan, self.emitter)
+        await self._settle()
         self._dispatch()
         await self._drain()
         execution = self.execution
+        if self.journal is not None:  # all of it, before the last of the text goes out
+            missing = {i: a for i, a in execution.answers.items() if i not in self.journaled}
+            await self.journal.nodes(answers=missing, failures=execution.failures, tokens=self.tokens)
         return Answer(
             mode="plato", latency_s=0.0, plan=execution.plan, plan_s=plan_s, completion_tokens=self.tokens,
             text=assemble_answer(execution.plan, execution.answers, execution.failures),
@@ -327,6 +473,7 @@ class _PlatoRun:
             result = await self.client.generate(request)
         except Exception as exc:  # one failed node must not sink the others
             execution.node_failed(node.id, f"decoding failed: {exc}")
+            await self._settle()
             return
         self.tokens += result.completion_tokens
         self.prefix_hit_tokens += result.prefix_hit_tokens
@@ -335,8 +482,23 @@ class _PlatoRun:
         self.computed.append(sequence)
         self.conversations[node.id] = _NodeConversation(messages, result.text, len(sequence),
                                                         sequence[: result.kept_kv_tokens])
-        execution.node_done(node.id, result.text, result.latency_s)
+        if not execution.node_done(node.id, result.text, result.latency_s):
+            return
         self._dispatch()
+        if self.journal is not None:
+            await self.journal.nodes(answers={node.id: result.text}, tokens=self.tokens,
+                                     prompts={node.id: NodePrompt(messages=messages, length=len(sequence))})
+        self.journaled.add(node.id)
+        await self._settle()
+
+    async def _settle(self) -> None:
+        """Send what is settled now (nodes failed meanwhile included: those are journaled first)."""
+        if self.settler is None or self.emitter is None or self.emitter.emit is None:
+            return
+        failures = self.execution.failures
+        if self.journal is not None and failures:
+            await self.journal.nodes(failures=failures)
+        await self.settler.send(self.execution.answers, self.journaled, failures)
 
     def _lead_parent(self, node: PlanNode) -> int | None:
         """The parent whose conversation this node's prompt continues: the longest one (most KV to
@@ -381,4 +543,5 @@ class _PlatoRun:
                 for task in self.tasks:
                     task.cancel()
                 self.tasks.clear()
+                await self._settle()
             self._dispatch()

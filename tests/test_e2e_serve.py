@@ -335,6 +335,53 @@ def test_prometheus_metrics_are_exported_under_the_names_the_readme_lists(server
     assert wanted <= names, sorted(names)
 
 
+def test_a_planned_stream_is_taken_up_by_a_new_planner_when_its_replica_dies(server):
+    """A planned answer streams its paragraphs as they settle. Once the first has come, the planner
+    replica making it is killed: the ingress asks again under the same key, Serve's fresh replica
+    takes the answer up from the context cache (the plan and the nodes already answered are kept),
+    and the client's one stream goes on after the text it has, to a whole answer."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+    from ray import serve
+
+    body = {"model": "embedded:smollm2-135m", "mode": "plato", "max_tokens": 200, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "How can I improve my time management skills?"}]}
+    first = threading.Event()
+    chunks, errors = [], []
+
+    def stream() -> None:
+        with server.stream("POST", "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[len("data: "):])
+                    errors.extend([chunk["error"]] if "error" in chunk else [])
+                    chunks.append(chunk)
+                    if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                        first.set()
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(stream)
+        assert first.wait(240)
+        had = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+        [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#Planner#" in a["name"]]
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        done.result(timeout=300)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    assert errors == [] and text.startswith(had) and len(text) > len(had), (errors, had, text)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")].count("stop") == 1
+    assert sum("role" in c["choices"][0]["delta"] for c in chunks if c.get("choices")) == 1
+    assert len({c["id"] for c in chunks}) == 1 and chunks[-1]["usage"]["completion_tokens"] > 0
+    assert chunks[0]["mode"] == "plato" and had.startswith("**"), had  # planned: paragraphs, each led by its part
+    first_part = had.split("**")[1]
+    assert text.count(f"**{first_part}**") == 1, text  # taken up after what was sent, not started over
+    planner = serve.get_deployment_handle("Planner", app_name="plato")
+    resumed = planner.resumed.remote().result()
+    assert resumed["answers"] == 1 and resumed["nodes_reused"] >= 1, resumed
+
+
 def test_answers_in_flight_survive_the_batchers_death(server):
     """Last in this module: it kills the batcher's replica while two answers stream and a third waits
     whole. Serve starts a fresh batcher, empty; each call cut short is sent to it again

@@ -38,7 +38,20 @@ class ScriptedClient:
         return Result(request_id=request.id, prompt_tokens=len(request.prompt_ids), token_ids=[ord(c) for c in text],
                       text=text, finish_reason=reason, ttft_s=0.0, latency_s=self.node_delay, prefix_hit_tokens=hit)
 
+    async def encode(self, text):
+        return [ord(c) for c in text]
+
     async def stream(self, request: GenerationRequest):
+        if "smaller questions" not in self._text(request.prompt_ids):  # a plain answer, a word at a time
+            self.log.append("ar")
+            answer, resumed = "a plain answer", self._text(request.resume_ids)
+            rest = answer[len(resumed):] if answer.startswith(resumed) else answer
+            for word in rest.split(" "):
+                word += "" if word == rest.split(" ")[-1] else " "
+                await asyncio.sleep(self.node_delay)
+                yield TokenEvent(request_id=request.id, token_ids=[ord(c) for c in word], text=word)
+            yield self._result(request, resumed + rest)
+            return
         self.log.append("plan:start")
         for line in self.plan_text.splitlines(keepends=True):
             await asyncio.sleep(self.line_delay)

@@ -1,0 +1,311 @@
+"""Planned answers streamed as they settle, journaled in the context cache, and taken up by another
+planner when theirs dies: over the scripted decode client of test_orchestrator (exact plans and
+answers), the in-process context cache, and the ingress's planner backend over a fake handle."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from actors.context_cache import ContextCache
+from actors.decode_client import BatcherClient, Tokenizing
+from actors.planner import PlannerReplica
+from deployments.app import HandleBackend
+from deployments.completion_service import ApiLimits, CompletionService
+from deployments.openai_schema import ChatCompletionRequest
+from graph.journal import AnswerJournal, Resume
+from graph.orchestrator import AnswerConfig, Orchestrator
+from tests.test_orchestrator import DIAMOND, ScriptedClient
+
+QUESTION = "Q?"
+SLOW_NODES = {"line_delay": 0.005, "node_delay": 0.05}  # the plan is complete before node 1 is answered
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+class Mortal:
+    """The context cache as one planner replica reaches it: after `die()` nothing it sends arrives,
+    as when its process is gone (its tasks may still run here; their writes are lost)."""
+
+    def __init__(self, cache: ContextCache):
+        self.cache, self.dead = cache, False
+
+    def die(self) -> None:
+        self.dead = True
+
+    def __getattr__(self, name):
+        method = getattr(self.cache, name)
+
+        async def call(*args, **kwargs):
+            if self.dead:
+                raise ConnectionError("this replica is gone")
+            return await method(*args, **kwargs)
+        return call
+
+
+class Collect:
+    """An emit callback that keeps the pieces and what the client had decoded when each came."""
+
+    def __init__(self, client: ScriptedClient | None = None, on_piece=None):
+        self.pieces: list[str] = []
+        self.log_at: list[list[str]] = []
+        self.client, self.on_piece = client, on_piece
+
+    async def __call__(self, piece: str) -> None:
+        self.pieces.append(piece)
+        self.log_at.append(list(self.client.log) if self.client else [])
+        if self.on_piece:
+            self.on_piece(self)
+
+
+def undisturbed(mode: str = "plato", plan: str = DIAMOND, **client) -> str:
+    return run(Orchestrator(ScriptedClient(plan, **client)).answer(QUESTION, mode)).text
+
+
+def test_a_plan_is_sent_paragraph_by_paragraph_in_plan_order_once_it_is_complete():
+    # node 1 is answered while the plan still streams; nothing goes out before the plan is complete
+    client = ScriptedClient(DIAMOND, line_delay=0.01, node_delay=0.05)
+    sent = Collect(client)
+    answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
+    assert "".join(sent.pieces) == answer.text and answer.fallback is None
+    assert sent.pieces[0] == "**Find A.** answer to Find A"
+    assert all(piece.startswith("\n\n**") for piece in sent.pieces[1:]) and len(sent.pieces) >= 3
+    assert "plan:end" in sent.log_at[0] and "node:4" not in sent.log_at[0]  # before the last node is even decoded
+
+
+def test_nodes_answered_while_the_plan_streams_go_out_together_once_it_is_complete():
+    client = ScriptedClient(DIAMOND, line_delay=0.05, node_delay=0.01)
+    sent = Collect(client)
+    answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
+    assert client.log.index("node:1") < client.log.index("plan:end")  # pipelined
+    assert "plan:end" in sent.log_at[0] and "".join(sent.pieces) == answer.text
+    assert sent.pieces[0].startswith("**Find A.** answer to Find A\n\n**Use A for B.**")
+
+
+def test_a_failed_node_is_sent_as_not_answered_in_its_place():
+    client = ScriptedClient(DIAMOND, fail_on="Use A for B")
+    sent = Collect(client)
+    answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
+    assert "".join(sent.pieces) == answer.text
+    assert "**Use A for B.** [not answered: decoding failed: replica died]" in answer.text
+    assert "**Join B and C.** [not answered: parent 2 failed" in answer.text
+
+
+def test_a_plain_answer_and_a_plan_that_falls_back_are_sent_token_by_token():
+    for mode, plan in (("ar", DIAMOND), ("plato", "garbage without any plan lines")):
+        sent = Collect()
+        answer = run(Orchestrator(ScriptedClient(plan)).answer(QUESTION, mode, sent))
+        assert sent.pieces == ["a ", "plain ", "answer"] and answer.text == "a plain answer"
+        assert (answer.fallback is not None) == (mode == "plato")
+
+
+def test_outline_points_are_sent_in_order_as_they_settle():
+    sent = Collect()
+    answer = run(Orchestrator(ScriptedClient(DIAMOND)).answer(QUESTION, "sot", sent))
+    assert "".join(sent.pieces) == answer.text and sent.pieces[0] == "**Alpha.** point 1 text"
+
+
+async def until_dead(answer, contexts: Mortal, sent: Collect, pieces: int) -> str:
+    """Run `answer` (a coroutine sending to `sent`) until `pieces` pieces are out, then let its replica
+    die there: its context cache writes stop, and the text the client has is those pieces."""
+    died = asyncio.Event()
+
+    def hook(collect: Collect) -> None:
+        if len(collect.pieces) == pieces:
+            contexts.die()
+            died.set()
+
+    sent.on_piece = hook
+    task = asyncio.create_task(answer)
+    waiting = asyncio.create_task(died.wait())
+    await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+    assert died.is_set(), "the answer ended before the replica was to die"
+    task.cancel()
+    return "".join(sent.pieces[:pieces])
+
+
+def first_attempt(mode: str, cache: ContextCache, pieces: int, plan: str = DIAMOND, **client) -> str:
+    """Answer under a journal until `pieces` pieces are sent, then die; the text the client has."""
+    contexts, sent = Mortal(cache), Collect()
+    answer = Orchestrator(ScriptedClient(plan, **SLOW_NODES, **client)).answer(QUESTION, mode, sent, AnswerJournal(contexts, "k"))
+    return run(until_dead(answer, contexts, sent, pieces))  # what is left running is cancelled as the loop ends
+
+
+def take_up(cache: ContextCache, sent_text: str, mode: str = "plato", plan: str = DIAMOND, **client):
+    journal = AnswerJournal(cache, "k")
+    saved = run(journal.load())
+    client = ScriptedClient(plan, **client)
+    sent = Collect()
+    answer = run(Orchestrator(client).answer(QUESTION, mode, sent, journal, Resume(saved=saved, sent=sent_text)))
+    assert "".join(sent.pieces) == answer.text
+    return saved, client, answer
+
+
+def test_a_plan_taken_up_by_another_planner_keeps_its_plan_and_answered_nodes():
+    cache = ContextCache()
+    had = first_attempt("plato", cache, pieces=2)
+    saved, client, answer = take_up(cache, had)
+    assert saved.plan is not None and len(saved.plan.nodes) == 4 and {1, 2} <= set(saved.answers)
+    assert answer.text.startswith(had) and answer.text == undisturbed()
+    assert "plan:start" not in client.log and "node:1" not in client.log and "node:2" not in client.log
+    assert "node:4" in client.log
+    # the children it decodes continue a lead parent's conversation, journaled or its own (which holds node 1's)
+    node_4 = next(r for r in client.requests if "Answer part 4" in client._text(r.prompt_ids))
+    assert "Answer part 1 in two or three sentences" in client._text(node_4.prompt_ids)
+
+
+def test_failures_a_client_has_seen_stay_failures_when_the_answer_is_taken_up():
+    cache = ContextCache()
+    had = first_attempt("plato", cache, pieces=2, fail_on="Use A for B")
+    assert "[not answered" in had
+    saved, client, answer = take_up(cache, had)  # this replica would answer node 2: it is not asked to
+    assert answer.text.startswith(had) and "node:2" not in client.log
+    assert answer.text == undisturbed(fail_on="Use A for B")
+
+
+def test_a_plain_answer_taken_up_goes_on_after_the_text_its_client_has():
+    cache = ContextCache()
+    had = first_attempt("ar", cache, pieces=2)
+    assert had == "a plain "
+    saved, client, answer = take_up(cache, had, mode="auto")  # the journal's mode wins over a new route
+    assert saved.mode == "ar" and answer.mode == "ar" and answer.text == "a plain answer"
+
+
+def test_a_fallback_taken_up_stays_plain_and_goes_on_after_the_text_sent():
+    cache = ContextCache()
+    had = first_attempt("plato", cache, pieces=1, plan="garbage without any plan lines")
+    saved, client, answer = take_up(cache, had)
+    assert saved.fallback is not None and answer.fallback == saved.fallback
+    assert answer.text == "a plain answer" and "plan:start" not in client.log
+
+
+def test_an_outline_taken_up_keeps_its_points():
+    cache = ContextCache()
+    had = first_attempt("sot", cache, pieces=1)
+    saved, client, answer = take_up(cache, had, mode="sot")
+    assert saved.plan is not None and "skeleton" not in client.log and "point:1" not in client.log
+    assert answer.text.startswith(had) and answer.text == undisturbed("sot")
+
+
+def test_text_sent_without_a_journal_to_take_up_goes_on_as_a_plain_answer_and_says_so():
+    client = ScriptedClient(DIAMOND)
+    answer = run(Orchestrator(client).answer(QUESTION, "plato", Collect(), None, Resume(saved=None, sent="a ")))
+    assert answer.text == "a plain answer" and "not journaled" in answer.fallback
+    assert "plan:start" not in client.log
+
+
+def test_a_context_cache_that_fails_costs_the_journal_not_the_answer():
+    class Broken:
+        def __getattr__(self, name):
+            async def call(*args, **kwargs):
+                raise ConnectionError("down")
+            return call
+
+    sent = Collect()
+    journal = AnswerJournal(Broken(), "k")
+    answer = run(Orchestrator(ScriptedClient(DIAMOND)).answer(QUESTION, "plato", sent, journal))
+    assert "".join(sent.pieces) == answer.text == undisturbed() and not journal.working
+    assert run(journal.load()) is None
+
+
+# ---- through the service and the ingress's planner backend --------------------------------------------
+
+class Died(Exception):
+    pass
+
+
+class FakePlannerHandle:
+    """`planner.options(stream=True).stream.remote(request, call)` / `planner.complete.remote(...)` over
+    planner replicas in turn: each call goes to the next replica; `die_after` chunks into its stream, the
+    first replica dies (its context cache writes stop, and the call raises)."""
+
+    def __init__(self, replicas: list[tuple[PlannerReplica, Mortal]], die_after: int):
+        self.replicas, self.die_after, self.calls = replicas, die_after, 0
+        self.stream, self.complete = self._Method(self, "stream"), self._Method(self, "complete")
+
+    def options(self, stream: bool):
+        return self
+
+    class _Method:
+        def __init__(self, handle, name):
+            self.handle, self.name = handle, name
+
+        def remote(self, request, call):
+            handle = self.handle
+            replica, contexts = handle.replicas[handle.calls]
+            handle.calls += 1
+            if self.name == "complete":
+                return replica.complete(request, call)
+            return handle._stream(replica, contexts, request, call, dies=handle.calls == 1)
+
+    async def _stream(self, replica, contexts, request, call, dies):
+        chunks = 0
+        async for chunk in replica.stream(request, call):
+            yield chunk
+            chunks += 1
+            if dies and chunks == self.die_after:
+                contexts.die()
+                raise Died("the planner replica died")
+
+
+@pytest.fixture
+def planners(tiny_tokenizer):
+    """Two planner replicas (scripted decoding) sharing one context cache, and the cache."""
+    cache = ContextCache()
+
+    def replica() -> tuple[PlannerReplica, Mortal, ScriptedClient]:
+        client = ScriptedClient(DIAMOND, **SLOW_NODES)
+        contexts = Mortal(cache)
+        tokenizing = BatcherClient(None, Tokenizing(tiny_tokenizer, "tiny", 2048))
+        service = CompletionService(tokenizing, ApiLimits(), Orchestrator(client, AnswerConfig(plan_constraint=None)),
+                                    contexts=contexts)
+        planner = PlannerReplica.__new__(PlannerReplica)
+        planner.service = service
+        return planner, contexts, client
+
+    return cache, replica
+
+
+def test_the_ingress_takes_a_planned_stream_up_on_another_planner_when_its_replica_dies(planners):
+    cache, replica = planners
+    (first, first_contexts, _), (second, second_contexts, second_client) = replica(), replica()
+    handle = FakePlannerHandle([(first, first_contexts), (second, second_contexts)], die_after=3)  # role + 2 paragraphs
+    backend = HandleBackend(handle, backoff_s=0.0, retry_on=(Died,))
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": QUESTION}], mode="plato", stream=True,
+                                    stream_options={"include_usage": True})
+
+    async def main():
+        return [chunk async for chunk in backend.stream(request)]
+
+    chunks = run(main())
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == undisturbed()
+    assert sum("role" in c["choices"][0]["delta"] for c in chunks if c["choices"]) == 1
+    assert len({c["id"] for c in chunks}) == 1 and chunks[-1]["usage"]["completion_tokens"] > 0
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]].count("stop") == 1
+    resumed = run(second.resumed())
+    assert resumed["answers"] == 1 and resumed["nodes_reused"] in (2, 3)  # node 3 may go out with node 2
+    assert "plan:start" not in second_client.log and "node:1" not in second_client.log
+    assert run(cache.stats())["contexts"] == 0  # closed once the answer was whole
+
+
+def test_the_ingress_takes_a_whole_planned_answer_up_without_planning_it_again(planners):
+    cache, replica = planners
+    first, first_contexts, first_client = replica()
+    second, second_contexts, second_client = replica()
+
+    class DiesMidAnswer:  # the first replica journals the plan and node 1, then dies
+        async def complete(self, request, call):
+            sent = Collect()
+            answer = Orchestrator(first_client).answer(QUESTION, "plato", sent, AnswerJournal(first_contexts, call["key"]))
+            await until_dead(answer, first_contexts, sent, pieces=1)
+            raise Died("the planner replica died")
+
+    handle = FakePlannerHandle([(DiesMidAnswer(), first_contexts), (second, second_contexts)], die_after=0)
+    backend = HandleBackend(handle, backoff_s=0.0, retry_on=(Died,))
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": QUESTION}], mode="plato")
+    response = run(backend.complete(request))
+    assert response["choices"][0]["message"]["content"] == undisturbed()
+    assert run(second.resumed())["answers"] == 1 and "plan:start" not in second_client.log
