@@ -55,6 +55,8 @@ class SavedAnswer(BaseModel):
     failures: dict[int, str] = Field(default_factory=dict)
     prompts: dict[int, NodePrompt] = Field(default_factory=dict)
     tokens: int = Field(0, description="Tokens generated so far, plan included.")
+    clean_heads: list[int] = Field(default_factory=list, description="Nodes whose answers went on from a start a "
+                                   "client had: cleaned already (graph.assemble.clean_answer's head_done).")
 
 
 class Resume(BaseModel):

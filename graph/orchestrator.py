@@ -8,6 +8,7 @@ tests and benchmarks use `EngineClient` over an in-process `AsyncEngine`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -17,10 +18,10 @@ from pydantic import BaseModel, Field
 
 from engine.prefix_cache import common_length
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
-from graph.assemble import assemble_answer, settled_text
+from graph.assemble import assemble_answer, paragraph_head, settled_text, stable_body
 from graph.executor import DagExecution, NodeStatus, NodeTiming
 from graph.journal import AnswerJournal, NodePrompt, Resume, SavedAnswer
-from graph.plan import Plan, PlanNode
+from graph.plan import MIN_NODES, Plan, PlanNode
 from graph.plan_format import StreamingPlanParser, parse_plan
 from graph.router import route
 from graph.prompts import (
@@ -33,6 +34,8 @@ from graph.prompts import (
     sot_skeleton_messages,
     streaming_prefix_probe,
 )
+
+log = logging.getLogger(__name__)
 
 Mode = Literal["ar", "sot", "plato"]
 RequestMode = Literal["auto", "ar", "sot", "plato"]
@@ -172,10 +175,15 @@ class TextEmitter:
     def __init__(self, emit: Emit | None):
         self.emit, self.sent = emit, ""
 
-    async def to(self, text: str) -> None:
+    async def to(self, text: str, strict: bool = True) -> None:
+        """Send what `text` adds. Text that does not go on from what was sent is an error, or, not
+        `strict` (text settled so far, which the whole answer will settle anyway), held back."""
         if self.emit is None or len(text) <= len(self.sent):
             return
         if not text.startswith(self.sent):
+            if not strict:
+                log.warning("held back a streamed answer's text that does not go on from what was sent")
+                return
             raise RuntimeError("a streamed answer's text changed after it was sent")
         piece, self.sent = text[len(self.sent):], text
         await self.emit(piece)
@@ -221,7 +229,7 @@ class Orchestrator:
         elif mode == "sot":
             answer = await self._sot(question, emitter, journal, saved)
         else:
-            answer = await _PlatoRun(self.client, self.config, question, emitter, journal, saved).execute()
+            answer = await _PlatoRun(self.client, self.config, question, emitter, journal, saved, sent).execute()
         await emitter.to(answer.text)
         answer.latency_s = time.perf_counter() - started
         answer.routed = reason
@@ -279,7 +287,7 @@ class Orchestrator:
         point_params = node_params(self.config)
         prompts = [await self.client.encode_chat(sot_point_messages(question, points, i)) for i in range(1, len(points) + 1)]
         answers = dict(saved.answers) if saved else {}
-        settler = _Settler(plan, emitter)
+        settler = _Settler(emitter)
 
         async def point(i: int) -> None:
             nonlocal tokens
@@ -289,10 +297,10 @@ class Orchestrator:
             if journal is not None:
                 await journal.nodes(answers={i: result.text}, tokens=tokens)
             journaled.add(i)
-            await settler.send(answers, journaled, {})
+            await settler.send(plan, answers, journaled, {})
 
         journaled = set(answers)
-        await settler.send(answers, journaled, {})  # the points a resumed answer already has
+        await settler.send(plan, answers, journaled, {})  # the points a resumed answer already has
         await asyncio.gather(*(point(i) for i in range(1, len(points) + 1) if i not in answers))
         return Answer(
             mode="sot", text=assemble_answer(plan, answers), latency_s=0.0, plan=plan, completion_tokens=tokens,
@@ -306,16 +314,20 @@ class _Settler:
     """Sends a planned answer's settled text (graph.assemble.settled_text), counting only the answers
     in `journaled`: a paragraph a client has must be one that another replica can rebuild."""
 
-    def __init__(self, plan: Plan, emitter: TextEmitter | None):
-        self.plan, self.emitter = plan, emitter
+    def __init__(self, emitter: TextEmitter | None):
+        self.emitter = emitter
         self.lock = asyncio.Lock()
 
-    async def send(self, answers: dict[int, str], journaled: set[int], failures: dict[int, str]) -> None:
+    async def send(self, plan: Plan, answers: dict[int, str], journaled: set[int], failures: dict[int, str],
+                   heads: set[int] = frozenset(), partials: dict[int, str] | None = None) -> None:
+        """`plan`: as far as it is known (nodes are only ever added after it); `partials`: what nodes
+        still decoding have written so far (the next node's goes out as it grows; a client's copy of it
+        is taken up from the text it has, see _PlatoRun._take_up)."""
         if self.emitter is None or self.emitter.emit is None:
             return
         async with self.lock:  # sends in order, whichever node's task gets here first
             kept = {i: a for i, a in answers.items() if i in journaled}
-            await self.emitter.to(settled_text(self.plan, kept, failures))
+            await self.emitter.to(settled_text(plan, kept, failures, heads, partials)[0], strict=False)
 
 
 @dataclass
@@ -332,11 +344,15 @@ class _PlatoRun:
     """One plato answer: stream the plan, dispatch ready nodes as lines complete, assemble."""
 
     def __init__(self, client: DecodeClient, config: AnswerConfig, question: str, emitter: TextEmitter | None = None,
-                 journal: AnswerJournal | None = None, saved: SavedAnswer | None = None):
+                 journal: AnswerJournal | None = None, saved: SavedAnswer | None = None, sent: str = ""):
         self.client, self.config, self.question = client, config, question
-        self.emitter, self.journal, self.saved = emitter, journal, saved
-        self.settler: _Settler | None = None  # once the plan is complete
+        self.emitter, self.journal, self.saved, self.sent = emitter, journal, saved, sent
+        self.settler = _Settler(emitter)
+        self.plan_journaled = 0  # nodes of the plan in the journal
         self.journaled: set[int] = set()  # answered nodes whose answers are journaled (all, without a journal)
+        self.partials: dict[int, str] = {}  # what each node streamed to a client has written so far
+        self.failures_journaled: set[int] = set()
+        self.heads: set[int] = set()  # nodes whose answers go on from a start a client has (cleaned already)
         deadline = time.monotonic() + config.deadline_s if config.deadline_s else None
         self.execution = DagExecution(question, config.max_nodes, deadline=deadline, pipelining=config.pipelining)
         self.tasks: set[asyncio.Task] = set()
@@ -352,11 +368,16 @@ class _PlatoRun:
         if self.saved is not None and self.saved.plan is not None:
             await self._restore(self.saved)
             return await self._finish(self.saved.plan_s)
+        started = time.perf_counter()
         try:
             plan_result, plan_s = await self._stream_plan()
         except ValueError:  # the request's own fault (a question too long to plan, say): the caller's to hear
             raise
         except Exception as exc:  # the plan's decoding failed: a plain answer may still be had
+            if self.emitter is not None and self.emitter.sent:  # but its parts are going out: keep them
+                self.execution.plan_complete()  # two nodes at least, or nothing would have gone out
+                log.warning("a plan whose parts were going out was cut where its decoding failed: %r", exc)
+                return await self._finish(time.perf_counter() - started)
             for task in self.tasks:  # nodes of a plan that will not be finished
                 task.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -393,20 +414,34 @@ class _PlatoRun:
                     self.conversations[node_id] = _NodeConversation(prompt.messages, text, prompt.length, [])
         self.tokens = saved.tokens
         self.journaled |= set(saved.answers)
+        self.heads |= set(saved.clean_heads)
+        self._take_up(self.sent)
+
+    def _take_up(self, sent: str) -> None:
+        """A client may have the start of the next node's paragraph (streamed as it was written): that
+        node goes on from there, its start kept as the client has it."""
+        settled, node = settled_text(self.execution.plan, self.execution.answers, self.execution.failures, self.heads)
+        if len(sent) <= len(settled):
+            return
+        head = ("\n\n" if settled else "") + (paragraph_head(node) if node else "")
+        if node is None or not sent.startswith(settled + head):
+            raise RuntimeError("the text a client has does not continue the journaled answer")
+        self.partials[node.id] = sent[len(settled) + len(head):]
+        self.heads.add(node.id)
 
     async def _finish(self, plan_s: float | None) -> Answer:
         """Decode the plan's open nodes, sending the text as it settles, and assemble the answer."""
-        self.settler = _Settler(self.execution.plan, self.emitter)
         await self._settle()
         self._dispatch()
         await self._drain()
         execution = self.execution
         if self.journal is not None:  # all of it, before the last of the text goes out
             missing = {i: a for i, a in execution.answers.items() if i not in self.journaled}
-            await self.journal.nodes(answers=missing, failures=execution.failures, tokens=self.tokens)
+            await self.journal.nodes(answers=missing, failures=execution.failures, tokens=self.tokens,
+                                     clean_heads=sorted(self.heads))
         return Answer(
             mode="plato", latency_s=0.0, plan=execution.plan, plan_s=plan_s, completion_tokens=self.tokens,
-            text=assemble_answer(execution.plan, execution.answers, execution.failures),
+            text=assemble_answer(execution.plan, execution.answers, execution.failures, self.heads),
             nodes=execution.timings(), prefix_hit_tokens=self.prefix_hit_tokens,
             node_prompt_tokens=self.node_prompt_tokens, node_prompt_shareable_tokens=self.shareable_tokens,
         )
@@ -423,8 +458,8 @@ class _PlatoRun:
             async for item in stream:
                 if isinstance(item, Result):
                     result = item
-                else:
-                    self._add_nodes(parser.feed(item.text))
+                elif self._add_nodes(parser.feed(item.text)):
+                    await self._settle()  # a second node lets the answer's parts go out
         except ValueError as exc:
             if params.constraint is None or not str(exc).startswith("constraint"):
                 raise
@@ -433,10 +468,11 @@ class _PlatoRun:
         self._add_nodes(parser.close(truncated=result.finish_reason is FinishReason.LENGTH))
         return result, time.perf_counter() - started
 
-    def _add_nodes(self, nodes: list[PlanNode]) -> None:
-        for node in nodes:
-            self.execution.add_node(node)
+    def _add_nodes(self, nodes: list[PlanNode]) -> int:
+        """Add parsed nodes and start those that may; returns how many were kept."""
+        kept = sum(self.execution.add_node(node) is not None for node in nodes)
         self._dispatch()
+        return kept
 
     def _dispatch(self) -> None:
         for node in self.execution.dispatchable():
@@ -466,39 +502,100 @@ class _PlatoRun:
                 keep = self.config.follow_up_prompts and may_have_children
             preamble = await self._preamble_length(ids) if self.config.kv_reuse else 0
             no_copy = [self.question, *(n.text for n in plan_so_far.nodes)]
-            request = GenerationRequest(prompt_ids=ids, params=node_params(self.config, no_copy), preamble_len=preamble,
+            params = node_params(self.config, no_copy)
+            start = self.partials.get(node.id, "")  # the start a client has of a node taken up
+            resume_ids = await self.client.encode(start) if start else []
+            request = GenerationRequest(prompt_ids=ids, params=params, preamble_len=preamble, resume_ids=resume_ids,
                                         shared_prefix_len=shared if shared < len(ids) else 0, keep_kv=keep)
             self.shareable_tokens += max((common_length(ids, seen) for seen in self.computed), default=preamble)
             self.computed.append(ids)
-            result = await self.client.generate(request)
+            if len(resume_ids) >= params.max_tokens:  # the client has all of it
+                result, text = None, start
+            elif start or self._is_next(node.id):
+                result, text = await self._stream_node(node.id, request, start)
+            else:
+                result = await self.client.generate(request)
+                text = result.text
         except Exception as exc:  # one failed node must not sink the others
-            execution.node_failed(node.id, f"decoding failed: {exc}")
-            await self._settle()
+            if not self._cut_short(node.id, f"decoding failed: {exc}"):
+                execution.node_failed(node.id, f"decoding failed: {exc}")
+            await self._node_settled(node.id)
             return
-        self.tokens += result.completion_tokens
-        self.prefix_hit_tokens += result.prefix_hit_tokens
-        self.node_prompt_tokens += len(ids)
-        sequence = ids + result.token_ids
-        self.computed.append(sequence)
-        self.conversations[node.id] = _NodeConversation(messages, result.text, len(sequence),
-                                                        sequence[: result.kept_kv_tokens])
-        if not execution.node_done(node.id, result.text, result.latency_s):
+        if result is not None:
+            self.tokens += result.completion_tokens  # a start taken up counts: the journal had not counted it
+            self.prefix_hit_tokens += result.prefix_hit_tokens
+            self.node_prompt_tokens += len(ids)
+            sequence = ids + result.token_ids
+            self.computed.append(sequence)
+            self.conversations[node.id] = _NodeConversation(messages, text, len(sequence),
+                                                            sequence[: result.kept_kv_tokens])
+        if not execution.node_done(node.id, text, result.latency_s if result else 0.0):
             return
         self._dispatch()
-        if self.journal is not None:
-            await self.journal.nodes(answers={node.id: result.text}, tokens=self.tokens,
-                                     prompts={node.id: NodePrompt(messages=messages, length=len(sequence))})
-        self.journaled.add(node.id)
+        prompt = NodePrompt(messages=messages, length=len(ids) + len(result.token_ids)) if result else None
+        await self._node_settled(node.id, text, prompt)
+
+    def _is_next(self, node_id: int) -> bool:
+        """Whether every node before this one in plan order is answered or failed: this one's paragraph
+        is the next to go out, so it is streamed as it is written (the others are sent whole)."""
+        if self.emitter is None or self.emitter.emit is None:
+            return False
+        return all(self.execution.status(n.id) in (NodeStatus.DONE, NodeStatus.FAILED)
+                   for n in self.execution.plan.nodes if n.id < node_id)
+
+    async def _stream_node(self, node_id: int, request: GenerationRequest, start: str) -> tuple[Result, str]:
+        """Decode a node as a stream, its text so far in `partials`, sending each stable piece."""
+        text, result = start, None
+        self.partials[node_id] = text
+        async for item in self.client.stream(request):
+            if isinstance(item, Result):
+                result = item
+            else:
+                text += item.text
+                self.partials[node_id] = text
+                await self._settle()
+        return result, text
+
+    def _cut_short(self, node_id: int, why: str) -> bool:
+        """A streamed node whose start may have gone out ends there, marked, when it fails: its paragraph
+        cannot become `[not answered: ...]` after the client has a start of it."""
+        partial = self.partials.get(node_id)
+        if partial is None or not stable_body(partial, self.execution.plan.node(node_id), self.question,
+                                              node_id in self.heads):
+            return False
+        return self.execution.node_done(node_id, f"{partial}\n[cut short: {why}]", 0.0)
+
+    async def _node_settled(self, node_id: int, text: str | None = None, prompt: NodePrompt | None = None) -> None:
+        """Journal a node's answer (None: it failed), then send what is settled."""
+        answered = self.execution.status(node_id) is NodeStatus.DONE
+        if self.journal is not None and answered:
+            await self.journal.nodes(answers={node_id: text if text is not None else self.execution.answers[node_id]},
+                                     prompts={node_id: prompt} if prompt else None, tokens=self.tokens,
+                                     clean_heads=sorted(self.heads))
+        if answered:
+            self.journaled.add(node_id)
         await self._settle()
 
     async def _settle(self) -> None:
-        """Send what is settled now (nodes failed meanwhile included: those are journaled first)."""
-        if self.settler is None or self.emitter is None or self.emitter.emit is None:
+        """Send what is settled now (nodes failed meanwhile included: those are journaled first). While
+        the plan streams, once it has two usable nodes: it cannot fall back to plain decoding after that
+        (graph.plan.PlanNormalizer.verdict), and later lines only add paragraphs after these. The plan
+        so far is journaled first: a planner that takes the answer up keeps it, as complete."""
+        if self.emitter is None or self.emitter.emit is None:
             return
+        plan = self.execution.plan
+        if not self.execution.plan_is_complete:
+            if len(plan.nodes) < MIN_NODES:
+                return
+            if self.journal is not None and len(plan.nodes) > self.plan_journaled:
+                await self.journal.plan(plan, tokens=self.tokens)
+                self.plan_journaled = max(self.plan_journaled, len(plan.nodes))
         failures = self.execution.failures
-        if self.journal is not None and failures:
-            await self.journal.nodes(failures=failures)
-        await self.settler.send(self.execution.answers, self.journaled, failures)
+        unjournaled = {i: r for i, r in failures.items() if i not in self.failures_journaled}
+        if self.journal is not None and unjournaled:
+            await self.journal.nodes(failures=unjournaled)
+        self.failures_journaled |= set(unjournaled)
+        await self.settler.send(plan, self.execution.answers, self.journaled, failures, self.heads, self.partials)
 
     def _lead_parent(self, node: PlanNode) -> int | None:
         """The parent whose conversation this node's prompt continues: the longest one (most KV to
@@ -539,6 +636,10 @@ class _PlatoRun:
             done, _ = await asyncio.wait(self.tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             self.tasks -= done
             if not done:
+                if self.execution.deadline is not None and time.monotonic() >= self.execution.deadline:
+                    for node_id in list(self.partials):
+                        if self.execution.status(node_id) is NodeStatus.RUNNING:
+                            self._cut_short(node_id, "the request's deadline passed")
                 self.execution.expire()
                 for task in self.tasks:
                     task.cancel()

@@ -336,10 +336,11 @@ def test_prometheus_metrics_are_exported_under_the_names_the_readme_lists(server
 
 
 def test_a_planned_stream_is_taken_up_by_a_new_planner_when_its_replica_dies(server):
-    """A planned answer streams its paragraphs as they settle. Once the first has come, the planner
-    replica making it is killed: the ingress asks again under the same key, Serve's fresh replica
-    takes the answer up from the context cache (the plan and the nodes already answered are kept),
-    and the client's one stream goes on after the text it has, to a whole answer."""
+    """A planned answer streams its paragraphs as they are written. Once the first is whole and the
+    next has begun, the planner replica making it is killed: the ingress asks again under the same key,
+    Serve's fresh replica takes the answer up from the context cache (the plan and the nodes already
+    answered are kept, a paragraph begun goes on from where the client has it), and the client's one
+    stream goes on after the text it has, to a whole answer."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -349,7 +350,7 @@ def test_a_planned_stream_is_taken_up_by_a_new_planner_when_its_replica_dies(ser
     body = {"model": "embedded:smollm2-135m", "mode": "plato", "max_tokens": 200, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "How can I improve my time management skills?"}]}
-    first = threading.Event()
+    begun = threading.Event()  # the first paragraph is whole: the next has begun
     chunks, errors = [], []
 
     def stream() -> None:
@@ -359,12 +360,13 @@ def test_a_planned_stream_is_taken_up_by_a_new_planner_when_its_replica_dies(ser
                     chunk = json.loads(line[len("data: "):])
                     errors.extend([chunk["error"]] if "error" in chunk else [])
                     chunks.append(chunk)
-                    if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                        first.set()
+                    if "\n\n**" in "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                                              if c.get("choices")):
+                        begun.set()
 
     with ThreadPoolExecutor(1) as pool:
         done = pool.submit(stream)
-        assert first.wait(240)
+        assert begun.wait(240)
         had = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
         [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#Planner#" in a["name"]]
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)

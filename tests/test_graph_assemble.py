@@ -45,3 +45,40 @@ def test_clean_answer_keeps_text_that_only_starts_like_the_step():
     assert clean_answer("Travel. People like to see places.", node, "Why?") == "People like to see places."
     assert clean_answer("2. People like   to see places.", node, "Why?") == "People like to see places."
     assert clean_answer("1. First\n2. Second", node, "Why?") == "1. First\n2. Second"
+
+
+def test_a_stable_start_is_never_taken_back_by_what_follows():
+    """Streamed, a node's paragraph goes out as `stable_body` grows: whatever is written next, the
+    cleaned answer must start with each stable start sent before. Answers are drawn from the pieces
+    cleaning reacts to (labels, echoes of the step and the question, spacing, bold) and cut anywhere."""
+    import random
+
+    from graph.assemble import stable_body
+
+    node = PlanNode(id=2, text="How far does a litre go?")
+    pieces = ["Step 2:", "2. ", "Answer:", "**", "How far does a litre go?", "How far does a litre go",
+              QUESTION, "How much paint", " ", "  ", "\t", "\n", "\n\n\n", ".", "?", ": ", "# ", "One litre",
+              " covers about ten square metres", "Travel", "It depends.", " on the wall", "\r\n"]
+    rng = random.Random(7)
+    checked = 0
+    for _ in range(3000):
+        answer = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+        final = clean_answer(answer, node, QUESTION)
+        for cut in range(len(answer) + 1):
+            start = stable_body(answer[:cut], node, QUESTION)
+            assert final.startswith(start), (answer, cut, start, final)
+            checked += bool(start)
+    assert checked > 10_000  # most cuts do send something
+
+
+def test_a_stable_start_waits_while_the_answer_may_still_be_a_label_or_an_echo():
+    from graph.assemble import stable_body
+
+    node = PlanNode(id=2, text="How far does a litre go?")
+    assert stable_body("Step 2", node, QUESTION) == ""  # a label, perhaps
+    assert stable_body("How far does a litre", node, QUESTION + " and so on") == ""  # the step, perhaps
+    assert stable_body("How much paint do I need for my", node, QUESTION) == ""  # the question, perhaps
+    assert stable_body("One litre covers about ten square", node, QUESTION) == "One litre covers about ten square"
+    assert stable_body("Step 2: One litre covers about ten", node, QUESTION) == "One litre covers about ten"
+    assert stable_body("How far does a litre go?\nOne litre", node, QUESTION) == "One litre"  # the echo line dropped
+    assert stable_body("How far does a litre go? One litre covers", node, QUESTION) == "One litre covers"

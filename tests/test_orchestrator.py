@@ -18,11 +18,16 @@ class ScriptedClient:
     """Plans come from `plan_text`, streamed a line at a time with `line_delay` between lines;
     a node's answer is 'answer to <step text>' after `node_delay`. Records everything."""
 
-    def __init__(self, plan_text: str, line_delay: float = 0.02, node_delay: float = 0.01, fail_on: str | None = None):
+    def __init__(self, plan_text: str, line_delay: float = 0.02, node_delay: float = 0.01, fail_on: str | None = None,
+                 padding: str = "", break_on: str | None = None):
+        """`padding` goes after each node's answer; a node whose text has `break_on` fails halfway through
+        its stream."""
         self.plan_text, self.line_delay, self.node_delay, self.fail_on = plan_text, line_delay, node_delay, fail_on
+        self.padding, self.break_on = padding, break_on
         self.log: list[str] = []
         self.prefixes: list[list[int]] = []
         self.requests: list[GenerationRequest] = []  # node requests, in the order they ran
+        self.streamed_requests: list[GenerationRequest] = []  # node requests asked as a stream
 
     async def encode_chat(self, messages, add_generation_prompt=True):
         """A chat template over characters: each message closes with '</>'; the generation prompt
@@ -42,6 +47,19 @@ class ScriptedClient:
         return [ord(c) for c in text]
 
     async def stream(self, request: GenerationRequest):
+        if "in two or three sentences: " in self._text(request.prompt_ids):  # a node, its answer a word at a time
+            self.streamed_requests.append(request)
+            whole = await self.generate(request.model_copy(update={"resume_ids": []}))
+            resumed = self._text(request.resume_ids)
+            rest = whole.text[len(resumed):] if whole.text.startswith(resumed) else whole.text
+            words = rest.split(" ")
+            for i, word in enumerate(words):
+                if self.break_on and self.break_on in whole.text and i == len(words) // 2:
+                    raise RuntimeError("the stream broke")
+                await asyncio.sleep(0)
+                yield TokenEvent(request_id=request.id, token_ids=[ord(c) for c in word], text=word + " ")
+            yield whole.model_copy(update={"text": resumed + rest + " "})
+            return
         if "smaller questions" not in self._text(request.prompt_ids):  # a plain answer, a word at a time
             self.log.append("ar")
             answer, resumed = "a plain answer", self._text(request.resume_ids)
@@ -72,7 +90,7 @@ class ScriptedClient:
             if hit:
                 self.prefixes.append(list(request.prompt_ids[:hit]))
             self.requests.append(request)
-            result = self._result(request, f"answer to {text}", hit=hit)
+            result = self._result(request, f"answer to {text}{self.padding}", hit=hit)
             if request.keep_kv:  # as the engine does: all of prompt and answer
                 result.kept_kv_tokens = len(request.prompt_ids) + len(result.token_ids)
             return result

@@ -13,6 +13,7 @@ from actors.planner import PlannerReplica
 from deployments.app import HandleBackend
 from deployments.completion_service import ApiLimits, CompletionService
 from deployments.openai_schema import ChatCompletionRequest
+from engine.types import TokenEvent
 from graph.journal import AnswerJournal, Resume
 from graph.orchestrator import AnswerConfig, Orchestrator
 from tests.test_orchestrator import DIAMOND, ScriptedClient
@@ -64,24 +65,41 @@ def undisturbed(mode: str = "plato", plan: str = DIAMOND, **client) -> str:
     return run(Orchestrator(ScriptedClient(plan, **client)).answer(QUESTION, mode)).text
 
 
-def test_a_plan_is_sent_paragraph_by_paragraph_in_plan_order_once_it_is_complete():
-    # node 1 is answered while the plan still streams; nothing goes out before the plan is complete
+def test_a_plan_is_sent_paragraph_by_paragraph_in_plan_order():
     client = ScriptedClient(DIAMOND, line_delay=0.01, node_delay=0.05)
     sent = Collect(client)
     answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
     assert "".join(sent.pieces) == answer.text and answer.fallback is None
     assert sent.pieces[0] == "**Find A.** answer to Find A"
     assert all(piece.startswith("\n\n**") for piece in sent.pieces[1:]) and len(sent.pieces) >= 3
-    assert "plan:end" in sent.log_at[0] and "node:4" not in sent.log_at[0]  # before the last node is even decoded
+    assert "node:4" not in sent.log_at[0]  # before the last node is even decoded
 
 
-def test_nodes_answered_while_the_plan_streams_go_out_together_once_it_is_complete():
+def test_parts_go_out_while_the_plan_streams_once_it_has_two_usable_nodes():
+    # a plan of one usable node falls back to plain decoding; from the second on, it cannot
     client = ScriptedClient(DIAMOND, line_delay=0.05, node_delay=0.01)
     sent = Collect(client)
     answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
-    assert client.log.index("node:1") < client.log.index("plan:end")  # pipelined
-    assert "plan:end" in sent.log_at[0] and "".join(sent.pieces) == answer.text
-    assert sent.pieces[0].startswith("**Find A.** answer to Find A\n\n**Use A for B.**")
+    assert "".join(sent.pieces) == answer.text == undisturbed(line_delay=0.05, node_delay=0.01)
+    assert sent.pieces[0] == "**Find A.** answer to Find A" and "plan:end" not in sent.log_at[0]
+    assert "node:2" not in sent.log_at[0]  # it went out as the second line came, not with node 2
+
+
+def test_a_plan_whose_decoding_fails_after_its_parts_began_to_go_out_keeps_them():
+    class BreaksAfterThreeLines(ScriptedClient):
+        async def stream(self, request):
+            lines = 0
+            async for item in super().stream(request):
+                lines += isinstance(item, TokenEvent) and "[needs:" in item.text
+                if lines == 4:
+                    raise RuntimeError("the plan's stream broke")
+                yield item
+
+    client = BreaksAfterThreeLines(DIAMOND, line_delay=0.05, node_delay=0.01)
+    sent = Collect(client)
+    answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
+    assert answer.fallback is None and len(answer.plan.nodes) == 3 and "".join(sent.pieces) == answer.text
+    assert answer.text.startswith("**Find A.** answer to Find A") and "Join B and C" not in answer.text
 
 
 def test_a_failed_node_is_sent_as_not_answered_in_its_place():
@@ -309,3 +327,54 @@ def test_the_ingress_takes_a_whole_planned_answer_up_without_planning_it_again(p
     response = run(backend.complete(request))
     assert response["choices"][0]["message"]["content"] == undisturbed()
     assert run(second.resumed())["answers"] == 1 and "plan:start" not in second_client.log
+
+
+# ---- the next node's paragraph, streamed as it is written ---------------------------------------------
+
+LONG = " with a good many more words to say about it"  # node answers long enough to show a start early
+
+
+def test_the_next_nodes_paragraph_goes_out_as_it_is_written():
+    client = ScriptedClient(DIAMOND, padding=LONG, **SLOW_NODES)
+    sent = Collect(client)
+    answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
+    assert "".join(sent.pieces) == answer.text == undisturbed(padding=LONG, **SLOW_NODES)
+    first = "**Find A.** answer to Find A" + LONG
+    assert first.startswith(sent.pieces[0]) and len(sent.pieces[0]) < len(first)  # a start of node 1's paragraph
+    assert len(sent.pieces) > 8  # word by word, not a paragraph at a time
+    streamed = {client._text(r.prompt_ids).rsplit("Answer part ", 1)[1][0] for r in client.streamed_requests}
+    assert streamed == {"1", "2", "4"}  # each node whose paragraph was next when it started; 3 waited on 2
+
+
+def test_a_streamed_node_that_breaks_after_its_start_went_out_ends_there_marked():
+    client = ScriptedClient(DIAMOND, padding=LONG, break_on="Find A", **SLOW_NODES)
+    sent = Collect(client)
+    answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
+    assert "".join(sent.pieces) == answer.text
+    paragraph = answer.text.split("\n\n**")[0]
+    assert paragraph.startswith("**Find A.** answer to Find A with") and "[cut short: decoding failed: the stream broke]" in paragraph
+    assert "[not answered" not in answer.text  # its children went on from what it had written
+
+
+def test_a_node_whose_start_a_client_has_goes_on_from_there_when_taken_up():
+    cache = ContextCache()
+    had = first_attempt("plato", cache, pieces=3, padding=LONG)  # node 1's paragraph, three words in
+    assert had.startswith("**Find A.** answer to") and not had.endswith(LONG)
+    saved, client, answer = take_up(cache, had, padding=LONG, **SLOW_NODES)
+    assert not saved.answers and answer.text.startswith(had) and answer.text == undisturbed(padding=LONG, **SLOW_NODES)
+    node_1 = next(r for r in client.streamed_requests if "Answer part 1" in client._text(r.prompt_ids))
+    assert client._text(node_1.resume_ids) == had[len("**Find A.** "):]  # decoding goes on after the client's text
+    assert run(AnswerJournal(cache, "k").load()).clean_heads == [1]  # its start stays as the client has it
+
+
+def test_a_plan_still_streaming_when_its_planner_died_is_taken_up_as_far_as_it_was_journaled():
+    cache = ContextCache()
+    contexts, sent = Mortal(cache), Collect()
+    client = ScriptedClient(DIAMOND, line_delay=0.05, node_delay=0.01)
+    answer = Orchestrator(client).answer(QUESTION, "plato", sent, AnswerJournal(contexts, "k"))
+    had = run(until_dead(answer, contexts, sent, pieces=1))
+    assert "plan:end" not in client.log and had == "**Find A.** answer to Find A"
+    saved, client, answer = take_up(cache, had, line_delay=0.05, node_delay=0.01)
+    assert [n.text for n in saved.plan.nodes] == ["Find A", "Use A for B"]  # the two lines it had when text went out
+    assert [n.text for n in answer.plan.nodes] == ["Find A", "Use A for B"] and answer.text.startswith(had)
+    assert "plan:start" not in client.log and "node:1" not in client.log
