@@ -86,16 +86,16 @@ def assemble_answer(plan: Plan, answers: dict[int, str], reasons: dict[int, str]
 
 def settled_text(plan: Plan, answers: dict[int, str], reasons: dict[int, str], heads: set[int] = frozenset(),
                  partials: dict[int, str] | None = None) -> tuple[str, PlanNode | None]:
-    """The start of `assemble_answer` that no later answer can change (`plan` complete), and the first
-    node not settled (None when all are): the paragraphs of the leading nodes, in plan order, that are
-    answered or failed, then, when that next node's answer so far (`partials`) has a stable start, its
-    paragraph up to there. A streamed planned answer sends it as it grows."""
+    """The start of `assemble_answer` that no later answer can change (`plan` as far as it is known;
+    nodes only ever come after it), and the first node not settled (None when all known ones are): the
+    paragraphs of the leading nodes, in plan order, that are answered or failed, then that next node's
+    bold lead, whatever its answer will be, and its answer so far (`partials`) up to its stable start.
+    A streamed planned answer sends it as it grows."""
     paragraphs, partials = [], partials or {}
     for node in plan.nodes:
         if node.id not in answers and node.id not in reasons:
             body = stable_body(partials[node.id], node, plan.question, node.id in heads) if node.id in partials else ""
-            if body:
-                paragraphs.append(paragraph_head(node) + body)
+            paragraphs.append(paragraph_head(node) + body)
             return "\n\n".join(paragraphs), node
         paragraphs.append(node_paragraph(node, answers, reasons, plan.question, heads))
     return "\n\n".join(paragraphs), None

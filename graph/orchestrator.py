@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from engine.prefix_cache import common_length
 from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
-from graph.assemble import assemble_answer, paragraph_head, settled_text, stable_body
+from graph.assemble import assemble_answer, settled_text, stable_body
 from graph.executor import DagExecution, NodeStatus, NodeTiming
 from graph.journal import AnswerJournal, NodePrompt, Resume, SavedAnswer
 from graph.plan import MIN_NODES, Plan, PlanNode
@@ -399,8 +399,9 @@ class _PlatoRun:
         return await orchestrator._ar(self.question, fallback=why, spent=self.tokens, emitter=self.emitter)
 
     async def _restore(self, saved: SavedAnswer) -> None:
-        """Take up a journaled answer: its complete plan, the nodes already answered or failed (failures
-        that were journaled were sent as such) and the prompts their children continue."""
+        """Take up a journaled answer: its plan (complete, or as far as it had gone when its parts began to
+        go out: kept as complete), the nodes already answered or failed (failures that were journaled were
+        sent as such) and the prompts their children continue."""
         for node in saved.plan.nodes:  # repaired already: repair keeps it as it is
             self.execution.add_node(node)
         self.execution.plan_complete()
@@ -423,10 +424,9 @@ class _PlatoRun:
         settled, node = settled_text(self.execution.plan, self.execution.answers, self.execution.failures, self.heads)
         if len(sent) <= len(settled):
             return
-        head = ("\n\n" if settled else "") + (paragraph_head(node) if node else "")
-        if node is None or not sent.startswith(settled + head):
+        if node is None or not sent.startswith(settled):
             raise RuntimeError("the text a client has does not continue the journaled answer")
-        self.partials[node.id] = sent[len(settled) + len(head):]
+        self.partials[node.id] = sent[len(settled):]
         self.heads.add(node.id)
 
     async def _finish(self, plan_s: float | None) -> Answer:
@@ -581,8 +581,8 @@ class _PlatoRun:
         the plan streams, once it has two usable nodes: it cannot fall back to plain decoding after that
         (graph.plan.PlanNormalizer.verdict), and later lines only add paragraphs after these. The plan
         so far is journaled first: a planner that takes the answer up keeps it, as complete."""
-        if self.emitter is None or self.emitter.emit is None:
-            return
+        if self.emitter is None or self.emitter.emit is None or self.execution.fallback_reason is not None:
+            return  # a plan that fell back sends the plain answer instead
         plan = self.execution.plan
         if not self.execution.plan_is_complete:
             if len(plan.nodes) < MIN_NODES:

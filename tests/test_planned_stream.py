@@ -70,9 +70,9 @@ def test_a_plan_is_sent_paragraph_by_paragraph_in_plan_order():
     sent = Collect(client)
     answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
     assert "".join(sent.pieces) == answer.text and answer.fallback is None
-    assert sent.pieces[0] == "**Find A.** answer to Find A"
-    assert all(piece.startswith("\n\n**") for piece in sent.pieces[1:]) and len(sent.pieces) >= 3
-    assert "node:4" not in sent.log_at[0]  # before the last node is even decoded
+    # the next part's bold lead goes out as soon as it is known, whatever its answer will be
+    assert sent.pieces[:2] == ["**Find A.** ", "answer to Find A\n\n**Use A for B.** "]
+    assert "node:1" not in sent.log_at[0] and "node:4" not in sent.log_at[1]
 
 
 def test_parts_go_out_while_the_plan_streams_once_it_has_two_usable_nodes():
@@ -81,7 +81,7 @@ def test_parts_go_out_while_the_plan_streams_once_it_has_two_usable_nodes():
     sent = Collect(client)
     answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
     assert "".join(sent.pieces) == answer.text == undisturbed(line_delay=0.05, node_delay=0.01)
-    assert sent.pieces[0] == "**Find A.** answer to Find A" and "plan:end" not in sent.log_at[0]
+    assert sent.pieces[0] == "**Find A.** answer to Find A\n\n**Use A for B.** " and "plan:end" not in sent.log_at[0]
     assert "node:2" not in sent.log_at[0]  # it went out as the second line came, not with node 2
 
 
@@ -119,10 +119,18 @@ def test_a_plain_answer_and_a_plan_that_falls_back_are_sent_token_by_token():
         assert (answer.fallback is not None) == (mode == "plato")
 
 
+def test_a_node_that_fails_after_its_plan_fell_back_sends_nothing_of_the_plan():
+    # one usable line: the plan falls back; node 1, started as the line came, fails after that
+    client = ScriptedClient("1. Find A [needs: none]", line_delay=0.005, node_delay=0.05, fail_on="Find A")
+    sent = Collect(client)
+    answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
+    assert answer.fallback is not None and answer.text == "a plain answer" == "".join(sent.pieces)
+
+
 def test_outline_points_are_sent_in_order_as_they_settle():
     sent = Collect()
     answer = run(Orchestrator(ScriptedClient(DIAMOND)).answer(QUESTION, "sot", sent))
-    assert "".join(sent.pieces) == answer.text and sent.pieces[0] == "**Alpha.** point 1 text"
+    assert "".join(sent.pieces) == answer.text and sent.pieces[:2] == ["**Alpha.** ", "point 1 text\n\n**Beta.** "]
 
 
 async def until_dead(answer, contexts: Mortal, sent: Collect, pieces: int) -> str:
@@ -163,7 +171,7 @@ def take_up(cache: ContextCache, sent_text: str, mode: str = "plato", plan: str 
 
 def test_a_plan_taken_up_by_another_planner_keeps_its_plan_and_answered_nodes():
     cache = ContextCache()
-    had = first_attempt("plato", cache, pieces=2)
+    had = first_attempt("plato", cache, pieces=3)  # node 1's lead, its answer, node 2's
     saved, client, answer = take_up(cache, had)
     assert saved.plan is not None and len(saved.plan.nodes) == 4 and {1, 2} <= set(saved.answers)
     assert answer.text.startswith(had) and answer.text == undisturbed()
@@ -176,7 +184,7 @@ def test_a_plan_taken_up_by_another_planner_keeps_its_plan_and_answered_nodes():
 
 def test_failures_a_client_has_seen_stay_failures_when_the_answer_is_taken_up():
     cache = ContextCache()
-    had = first_attempt("plato", cache, pieces=2, fail_on="Use A for B")
+    had = first_attempt("plato", cache, pieces=3, fail_on="Use A for B")
     assert "[not answered" in had
     saved, client, answer = take_up(cache, had)  # this replica would answer node 2: it is not asked to
     assert answer.text.startswith(had) and "node:2" not in client.log
@@ -201,7 +209,7 @@ def test_a_fallback_taken_up_stays_plain_and_goes_on_after_the_text_sent():
 
 def test_an_outline_taken_up_keeps_its_points():
     cache = ContextCache()
-    had = first_attempt("sot", cache, pieces=1)
+    had = first_attempt("sot", cache, pieces=2)
     saved, client, answer = take_up(cache, had, mode="sot")
     assert saved.plan is not None and "skeleton" not in client.log and "point:1" not in client.log
     assert answer.text.startswith(had) and answer.text == undisturbed("sot")
@@ -289,7 +297,7 @@ def planners(tiny_tokenizer):
 def test_the_ingress_takes_a_planned_stream_up_on_another_planner_when_its_replica_dies(planners):
     cache, replica = planners
     (first, first_contexts, _), (second, second_contexts, second_client) = replica(), replica()
-    handle = FakePlannerHandle([(first, first_contexts), (second, second_contexts)], die_after=3)  # role + 2 paragraphs
+    handle = FakePlannerHandle([(first, first_contexts), (second, second_contexts)], die_after=4)  # role + 3 pieces
     backend = HandleBackend(handle, backoff_s=0.0, retry_on=(Died,))
     request = ChatCompletionRequest(messages=[{"role": "user", "content": QUESTION}], mode="plato", stream=True,
                                     stream_options={"include_usage": True})
@@ -318,7 +326,7 @@ def test_the_ingress_takes_a_whole_planned_answer_up_without_planning_it_again(p
         async def complete(self, request, call):
             sent = Collect()
             answer = Orchestrator(first_client).answer(QUESTION, "plato", sent, AnswerJournal(first_contexts, call["key"]))
-            await until_dead(answer, first_contexts, sent, pieces=1)
+            await until_dead(answer, first_contexts, sent, pieces=2)  # node 1's lead, then its answer
             raise Died("the planner replica died")
 
     handle = FakePlannerHandle([(DiesMidAnswer(), first_contexts), (second, second_contexts)], die_after=0)
@@ -373,7 +381,7 @@ def test_a_plan_still_streaming_when_its_planner_died_is_taken_up_as_far_as_it_w
     client = ScriptedClient(DIAMOND, line_delay=0.05, node_delay=0.01)
     answer = Orchestrator(client).answer(QUESTION, "plato", sent, AnswerJournal(contexts, "k"))
     had = run(until_dead(answer, contexts, sent, pieces=1))
-    assert "plan:end" not in client.log and had == "**Find A.** answer to Find A"
+    assert "plan:end" not in client.log and had.startswith("**Find A.** answer to Find A\n\n")
     saved, client, answer = take_up(cache, had, line_delay=0.05, node_delay=0.01)
     assert [n.text for n in saved.plan.nodes] == ["Find A", "Use A for B"]  # the two lines it had when text went out
     assert [n.text for n in answer.plan.nodes] == ["Find A", "Use A for B"] and answer.text.startswith(had)
