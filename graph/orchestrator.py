@@ -357,6 +357,7 @@ class _PlatoRun:
         self.execution = DagExecution(question, config.max_nodes, deadline=deadline, pipelining=config.pipelining)
         self.tasks: set[asyncio.Task] = set()
         self.tokens = 0
+        self.plan_tokens_seen = 0  # the plan's tokens as they stream (its result counts them once it is whole)
         self.prefix_hit_tokens = 0
         self.node_prompt_tokens = 0
         self.shareable_tokens = 0
@@ -376,6 +377,7 @@ class _PlatoRun:
         except Exception as exc:  # the plan's decoding failed: a plain answer may still be had
             if self.emitter is not None and self.emitter.sent:  # but its parts are going out: keep them
                 self.execution.plan_complete()  # two nodes at least, or nothing would have gone out
+                self.tokens += self.plan_tokens_seen
                 log.warning("a plan whose parts were going out was cut where its decoding failed: %r", exc)
                 return await self._finish(time.perf_counter() - started)
             for task in self.tasks:  # nodes of a plan that will not be finished
@@ -458,7 +460,9 @@ class _PlatoRun:
             async for item in stream:
                 if isinstance(item, Result):
                     result = item
-                elif self._add_nodes(parser.feed(item.text)):
+                    continue
+                self.plan_tokens_seen += len(item.token_ids)
+                if self._add_nodes(parser.feed(item.text)):
                     await self._settle()  # a second node lets the answer's parts go out
         except ValueError as exc:
             if params.constraint is None or not str(exc).startswith("constraint"):

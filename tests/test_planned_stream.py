@@ -99,6 +99,8 @@ def test_a_plan_whose_decoding_fails_after_its_parts_began_to_go_out_keeps_them(
     sent = Collect(client)
     answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
     assert answer.fallback is None and len(answer.plan.nodes) == 3 and "".join(sent.pieces) == answer.text
+    nodes = sum(len(f"answer to {t}") for t in ("Find A", "Use A for B", "Use A for C"))  # a token a character
+    assert answer.completion_tokens == 3 + nodes  # the plan's three lines (a token each) count too
     assert answer.text.startswith("**Find A.** answer to Find A") and "Join B and C" not in answer.text
 
 
