@@ -21,8 +21,8 @@ class ContextCacheClient:
     def __init__(self, handle):
         self.handle = handle
 
-    async def open(self, request_id: str, question: str) -> None:
-        await self.handle.open.remote(request_id, question)
+    async def open(self, request_id: str, question: str, facts: dict | None = None) -> None:
+        await self.handle.open.remote(request_id, question, facts)
 
     async def update(self, request_id: str, plan: dict | None = None, answers: dict | None = None,
                      failures: dict | None = None, prompts: dict | None = None, facts: dict | None = None) -> bool:
@@ -48,8 +48,8 @@ class ContextCache:
     async def get_prefix(self, key: str, holder: str | None = None) -> list | None:
         return self.store.get_prefix(key, holder)
 
-    async def open(self, request_id: str, question: str) -> None:
-        self.store.open(request_id, question)
+    async def open(self, request_id: str, question: str, facts: dict | None = None) -> None:
+        self.store.open(request_id, question, facts)
 
     async def update(self, request_id: str, plan: dict | None = None, answers: dict | None = None,
                      failures: dict | None = None, prompts: dict | None = None, facts: dict | None = None) -> bool:

@@ -25,6 +25,19 @@ def timed(fn):
     return out, time.perf_counter() - started
 
 
+async def streamed_pieces(service, request) -> tuple[list[str], float, float]:
+    """A streamed chat completion through a CompletionService: its text pieces, and the seconds to the
+    first piece (to the end when none came) and to the end."""
+    started, first, pieces = time.perf_counter(), None, []
+    async for chunk in service.stream(request):
+        piece = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+        if piece:
+            first = first or time.perf_counter()
+            pieces.append(piece)
+    end = time.perf_counter()
+    return pieces, (first or end) - started, end - started
+
+
 def machine() -> dict:
     return {
         "python": platform.python_version(),

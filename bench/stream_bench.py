@@ -13,9 +13,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
 
-from bench.common import load_jsonl, machine, table, write_result
+from bench.common import load_jsonl, machine, streamed_pieces, table, write_result
 from deployments.completion_service import ApiLimits, CompletionService
 from deployments.openai_schema import ChatCompletionRequest
 from graph.orchestrator import AnswerConfig, EngineClient, Orchestrator
@@ -27,15 +26,9 @@ MODES = ("ar", "sot", "plato")
 async def _streamed(service: CompletionService, question: str, mode: str, max_tokens: int) -> dict:
     request = ChatCompletionRequest(messages=[{"role": "user", "content": question}], mode=mode, stream=True,
                                     max_tokens=max_tokens, temperature=0)
-    started, first, pieces = time.perf_counter(), None, []
-    async for chunk in service.stream(request):
-        piece = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
-        if piece:
-            first = first or time.perf_counter()
-            pieces.append(piece)
-    end = time.perf_counter()
-    return {"first_text_s": round((first or end) - started, 3), "end_s": round(end - started, 3),
-            "pieces": len(pieces), "chars": sum(map(len, pieces))}
+    pieces, first_s, end_s = await streamed_pieces(service, request)
+    return {"first_text_s": round(first_s, 3), "end_s": round(end_s, 3), "pieces": len(pieces),
+            "chars": sum(map(len, pieces))}
 
 
 async def _in_turns(service: CompletionService, questions: list[str], max_tokens: int) -> dict[str, list[dict]]:

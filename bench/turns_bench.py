@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 
 import numpy as np
 
-from bench.common import load_jsonl, machine, table, write_result
+from bench.common import load_jsonl, machine, streamed_pieces, table, write_result
 from deployments.completion_service import ApiLimits, CompletionService
 from deployments.openai_schema import ChatCompletionRequest
 from engine.async_engine import AsyncEngine
@@ -34,13 +33,8 @@ def conversations(count: int, turns: int) -> list[list[str]]:
 
 async def _turn(service: CompletionService, messages: list[dict], max_tokens: int) -> tuple[str, float]:
     request = ChatCompletionRequest(messages=messages, max_tokens=max_tokens, temperature=0, stream=True)
-    sent, first, text = time.perf_counter(), None, []
-    async for chunk in service.stream(request):
-        piece = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
-        if piece:
-            first = first or time.perf_counter()
-            text.append(piece)
-    return "".join(text), (first or time.perf_counter()) - sent
+    pieces, first_s, _ = await streamed_pieces(service, request)
+    return "".join(pieces), first_s
 
 
 async def _side_by_side(service: CompletionService, talks: list[list[str]], max_tokens: int) -> dict:

@@ -155,9 +155,10 @@ class HandleBackend:
         self.retry_on = retry_on if retry_on is not None else replica_died_errors()
 
     async def complete(self, request: OpenAIRequest) -> dict:
-        call = {"key": uuid.uuid4().hex}
-        out = await call_again_if_replica_died(lambda: self.planner.complete.remote(request, call), "planner",
-                                               self.retries, self.backoff_s, self.retry_on)
+        key, attempts = uuid.uuid4().hex, itertools.count()
+        out = await call_again_if_replica_died(
+            lambda: self.planner.complete.remote(request, {"key": key, "retry": next(attempts) > 0}), "planner",
+            self.retries, self.backoff_s, self.retry_on)
         if "error" in out:
             raise RequestError(**out["error"])
         return out
@@ -167,7 +168,8 @@ class HandleBackend:
         first: dict | None = None  # the first chunk's id and time, which every later one keeps
         for attempt in itertools.count():
             try:
-                async for chunk in self.planner.options(stream=True).stream.remote(request, dict(call)):
+                asked = {**call, "retry": attempt > 0}
+                async for chunk in self.planner.options(stream=True).stream.remote(request, asked):
                     if "error" in chunk:
                         raise RequestError(**chunk["error"])
                     first = first or {"id": chunk["id"], "created": chunk["created"]}

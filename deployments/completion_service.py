@@ -109,6 +109,7 @@ class PlannedCall(BaseModel):
     text (and opening chunk) its client already has."""
 
     key: str = Field(min_length=1, description="The answer's key in the context cache, the same on every attempt.")
+    retry: bool = Field(False, description="An earlier attempt's replica died: the journal may hold the answer.")
     sent: str = Field("", description="The answer's text the client already has, from an earlier attempt.")
     opened: bool = Field(False, description="Whether the client already has the opening (role) chunk.")
 
@@ -306,7 +307,7 @@ class CompletionService:
         budget = {"max_tokens": engine_request.params.max_tokens, "stop_on_loop": self.limits.stop_on_loop}
         client = PrioritizedClient(self.orchestrator.client, engine_request.priority)
         orchestrator = Orchestrator(client, self.orchestrator.config.model_copy(update=budget))
-        saved = await journal.load() if journal is not None else None
+        saved = await journal.load() if journal is not None and call.retry else None  # a first attempt's key is new
         if saved is not None or (call is not None and call.sent):
             self.resumed["answers"] += 1
             self.resumed["nodes_reused"] += len(saved.answers) if saved else 0

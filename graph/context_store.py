@@ -78,9 +78,11 @@ class ContextStore:
         return set(entry.holders) if entry else set()
 
     # ---- request contexts -----------------------------------------------------------------------
-    def open(self, request_id: str, question: str) -> None:
+    def open(self, request_id: str, question: str, facts: dict | None = None) -> None:
+        """A new request context, with `facts` as `update` takes them."""
         self._contexts[request_id] = {"question": question, "plan": None, "answers": {}, "failures": {},
                                       "prompts": {}, "opened": time.time()}
+        self.update(request_id, facts=facts)
         while len(self._contexts) > self.max_contexts:
             self._contexts.popitem(last=False)
             self.counts["contexts_dropped"] += 1

@@ -24,7 +24,7 @@ JournaledMode = Literal["ar", "sot", "plato"]
 
 
 class Contexts(Protocol):
-    async def open(self, request_id: str, question: str) -> None: ...
+    async def open(self, request_id: str, question: str, facts: dict | None = None) -> None: ...
 
     async def update(self, request_id: str, plan: dict | None = None, answers: dict | None = None,
                      failures: dict | None = None, prompts: dict | None = None, facts: dict | None = None) -> bool: ...
@@ -83,8 +83,9 @@ class AnswerJournal:
             return None
         return SavedAnswer.model_validate(context) if context else None
 
-    async def begin(self, question: str) -> None:
-        await self._call("open", self.key, question)
+    async def begin(self, question: str, **facts) -> None:
+        """Open the entry, with its first facts (mode, routed) in the same call."""
+        await self._call("open", self.key, question, facts)
 
     async def note(self, **facts) -> None:
         """Mode, routed, fallback, plan_s, tokens."""

@@ -170,23 +170,45 @@ async def fixed_prefix_request(client: DecodeClient, messages: list[dict], param
 
 class TextEmitter:
     """Hands a streamed answer's text on as it grows: `to(text)` sends what `text` adds to what was
-    sent. What it is given always starts with what it sent (settled text is never taken back)."""
+    sent. What it is given always starts with what it sent (settled text is never taken back). Without
+    `emit` (an answer nobody streams) it sends nothing."""
 
-    def __init__(self, emit: Emit | None):
+    def __init__(self, emit: Emit | None = None):
         self.emit, self.sent = emit, ""
+        self.lock = asyncio.Lock()
+
+    @property
+    def live(self) -> bool:
+        return self.emit is not None
 
     async def to(self, text: str, strict: bool = True) -> None:
         """Send what `text` adds. Text that does not go on from what was sent is an error, or, not
         `strict` (text settled so far, which the whole answer will settle anyway), held back."""
-        if self.emit is None or len(text) <= len(self.sent):
+        if not self.live:
             return
-        if not text.startswith(self.sent):
-            if not strict:
-                log.warning("held back a streamed answer's text that does not go on from what was sent")
+        async with self.lock:  # pieces go out in order, whichever node's task sends; a shorter text is older
+            if len(text) <= len(self.sent):
                 return
-            raise RuntimeError("a streamed answer's text changed after it was sent")
-        piece, self.sent = text[len(self.sent):], text
-        await self.emit(piece)
+            if not text.startswith(self.sent):
+                if not strict:
+                    log.warning("held back a streamed answer's text that does not go on from what was sent")
+                    return
+                raise RuntimeError("a streamed answer's text changed after it was sent")
+            piece, self.sent = text[len(self.sent):], text
+            await self.emit(piece)
+
+    async def settled(self, plan: Plan, answers: dict[int, str], journaled: set[int], failures: dict[int, str],
+                      heads: set[int] = frozenset(), partials: dict[int, str] | None = None) -> None:
+        """Send a planned answer's settled text (graph.assemble.settled_text), counting only the answers in
+        `journaled`: a paragraph a client has must be one that another replica can rebuild. `plan`: as far as
+        it is known (nodes are only ever added after it); `partials`: what nodes still decoding have written
+        so far (the next node's goes out as it grows; see _PlatoRun._take_up)."""
+        if self.live:
+            kept = {i: a for i, a in answers.items() if i in journaled}
+            await self.to(settled_text(plan, kept, failures, heads, partials)[0], strict=False)
+
+
+_SILENT = TextEmitter()  # sends nothing: for an answer nobody streams
 
 
 class Orchestrator:
@@ -214,9 +236,9 @@ class Orchestrator:
             reason = None
             if mode == "auto":
                 mode, reason = route(question)
-            if journal is not None:
-                if saved is None:
-                    await journal.begin(question)
+            if journal is not None and saved is None:
+                await journal.begin(question, mode=mode, routed=reason)
+            elif journal is not None:
                 await journal.note(mode=mode, routed=reason)
         if saved is not None and saved.fallback is not None:
             answer = await self._ar(question, saved.fallback, saved.tokens, mode, emitter, sent)
@@ -236,7 +258,7 @@ class Orchestrator:
         return answer
 
     async def _ar(self, question: str, fallback: str | None = None, spent: int = 0, planned_as: Mode = "plato",
-                  emitter: TextEmitter | None = None, continue_from: str = "") -> Answer:
+                  emitter: TextEmitter = _SILENT, continue_from: str = "") -> Answer:
         """A plain answer; with `fallback`, the one a `planned_as` answer fell back to (it keeps that mode).
         With `continue_from`, it goes on after that text (a client has it already)."""
         ids = await self.client.encode_chat([{"role": "user", "content": question}])
@@ -247,7 +269,7 @@ class Orchestrator:
                           fallback=fallback)
         request = GenerationRequest(prompt_ids=ids, resume_ids=resume_ids, params=SamplingParams(
             max_tokens=self.config.max_tokens, stop_on_loop=self.config.stop_on_loop))
-        if emitter is None or emitter.emit is None:
+        if not emitter.live:
             result = await self.client.generate(request)
             text = result.text
         else:
@@ -262,7 +284,7 @@ class Orchestrator:
         return Answer(mode=mode, text=text, latency_s=0.0, fallback=fallback,
                       completion_tokens=spent + result.completion_tokens)  # the resumed tokens count: they are the answer's
 
-    async def _sot(self, question: str, emitter: TextEmitter | None = None, journal: AnswerJournal | None = None,
+    async def _sot(self, question: str, emitter: TextEmitter = _SILENT, journal: AnswerJournal | None = None,
                    saved: SavedAnswer | None = None) -> Answer:
         tokens = saved.tokens if saved else 0
         if saved is not None and saved.plan is not None:
@@ -287,7 +309,6 @@ class Orchestrator:
         point_params = node_params(self.config)
         prompts = [await self.client.encode_chat(sot_point_messages(question, points, i)) for i in range(1, len(points) + 1)]
         answers = dict(saved.answers) if saved else {}
-        settler = _Settler(emitter)
 
         async def point(i: int) -> None:
             nonlocal tokens
@@ -297,10 +318,10 @@ class Orchestrator:
             if journal is not None:
                 await journal.nodes(answers={i: result.text}, tokens=tokens)
             journaled.add(i)
-            await settler.send(plan, answers, journaled, {})
+            await emitter.settled(plan, answers, journaled, {})
 
         journaled = set(answers)
-        await settler.send(plan, answers, journaled, {})  # the points a resumed answer already has
+        await emitter.settled(plan, answers, journaled, {})  # the points a resumed answer already has
         await asyncio.gather(*(point(i) for i in range(1, len(points) + 1) if i not in answers))
         return Answer(
             mode="sot", text=assemble_answer(plan, answers), latency_s=0.0, plan=plan, completion_tokens=tokens,
@@ -308,26 +329,6 @@ class Orchestrator:
             node_prompt_shareable_tokens=sum(max((common_length(p, q) for q in prompts[:i]), default=0)
                                              for i, p in enumerate(prompts)),
         )
-
-
-class _Settler:
-    """Sends a planned answer's settled text (graph.assemble.settled_text), counting only the answers
-    in `journaled`: a paragraph a client has must be one that another replica can rebuild."""
-
-    def __init__(self, emitter: TextEmitter | None):
-        self.emitter = emitter
-        self.lock = asyncio.Lock()
-
-    async def send(self, plan: Plan, answers: dict[int, str], journaled: set[int], failures: dict[int, str],
-                   heads: set[int] = frozenset(), partials: dict[int, str] | None = None) -> None:
-        """`plan`: as far as it is known (nodes are only ever added after it); `partials`: what nodes
-        still decoding have written so far (the next node's goes out as it grows; a client's copy of it
-        is taken up from the text it has, see _PlatoRun._take_up)."""
-        if self.emitter is None or self.emitter.emit is None:
-            return
-        async with self.lock:  # sends in order, whichever node's task gets here first
-            kept = {i: a for i, a in answers.items() if i in journaled}
-            await self.emitter.to(settled_text(plan, kept, failures, heads, partials)[0], strict=False)
 
 
 @dataclass
@@ -343,11 +344,10 @@ class _NodeConversation:
 class _PlatoRun:
     """One plato answer: stream the plan, dispatch ready nodes as lines complete, assemble."""
 
-    def __init__(self, client: DecodeClient, config: AnswerConfig, question: str, emitter: TextEmitter | None = None,
+    def __init__(self, client: DecodeClient, config: AnswerConfig, question: str, emitter: TextEmitter,
                  journal: AnswerJournal | None = None, saved: SavedAnswer | None = None, sent: str = ""):
         self.client, self.config, self.question = client, config, question
         self.emitter, self.journal, self.saved, self.sent = emitter, journal, saved, sent
-        self.settler = _Settler(emitter)
         self.plan_journaled = 0  # nodes of the plan in the journal
         self.journaled: set[int] = set()  # answered nodes whose answers are journaled (all, without a journal)
         self.partials: dict[int, str] = {}  # what each node streamed to a client has written so far
@@ -375,7 +375,7 @@ class _PlatoRun:
         except ValueError:  # the request's own fault (a question too long to plan, say): the caller's to hear
             raise
         except Exception as exc:  # the plan's decoding failed: a plain answer may still be had
-            if self.emitter is not None and self.emitter.sent:  # but its parts are going out: keep them
+            if self.emitter.sent:  # but its parts are going out: keep them
                 self.execution.plan_complete()  # two nodes at least, or nothing would have gone out
                 self.tokens += self.plan_tokens_seen
                 log.warning("a plan whose parts were going out was cut where its decoding failed: %r", exc)
@@ -525,6 +525,7 @@ class _PlatoRun:
                 execution.node_failed(node.id, f"decoding failed: {exc}")
             await self._node_settled(node.id)
             return
+        prompt = None
         if result is not None:
             self.tokens += result.completion_tokens  # a start taken up counts: the journal had not counted it
             self.prefix_hit_tokens += result.prefix_hit_tokens
@@ -533,16 +534,16 @@ class _PlatoRun:
             self.computed.append(sequence)
             self.conversations[node.id] = _NodeConversation(messages, text, len(sequence),
                                                             sequence[: result.kept_kv_tokens])
+            prompt = NodePrompt(messages=messages, length=len(sequence))
         if not execution.node_done(node.id, text, result.latency_s if result else 0.0):
             return
         self._dispatch()
-        prompt = NodePrompt(messages=messages, length=len(ids) + len(result.token_ids)) if result else None
-        await self._node_settled(node.id, text, prompt)
+        await self._node_settled(node.id, prompt)
 
     def _is_next(self, node_id: int) -> bool:
         """Whether every node before this one in plan order is answered or failed: this one's paragraph
         is the next to go out, so it is streamed as it is written (the others are sent whole)."""
-        if self.emitter is None or self.emitter.emit is None:
+        if not self.emitter.live:
             return False
         return all(self.execution.status(n.id) in (NodeStatus.DONE, NodeStatus.FAILED)
                    for n in self.execution.plan.nodes if n.id < node_id)
@@ -569,11 +570,11 @@ class _PlatoRun:
             return False
         return self.execution.node_done(node_id, f"{partial}\n[cut short: {why}]", 0.0)
 
-    async def _node_settled(self, node_id: int, text: str | None = None, prompt: NodePrompt | None = None) -> None:
-        """Journal a node's answer (None: it failed), then send what is settled."""
+    async def _node_settled(self, node_id: int, prompt: NodePrompt | None = None) -> None:
+        """Journal a node's answer, if it has one (not when it failed), then send what is settled."""
         answered = self.execution.status(node_id) is NodeStatus.DONE
         if self.journal is not None and answered:
-            await self.journal.nodes(answers={node_id: text if text is not None else self.execution.answers[node_id]},
+            await self.journal.nodes(answers={node_id: self.execution.answers[node_id]},
                                      prompts={node_id: prompt} if prompt else None, tokens=self.tokens,
                                      clean_heads=sorted(self.heads))
         if answered:
@@ -585,7 +586,7 @@ class _PlatoRun:
         the plan streams, once it has two usable nodes: it cannot fall back to plain decoding after that
         (graph.plan.PlanNormalizer.verdict), and later lines only add paragraphs after these. The plan
         so far is journaled first: a planner that takes the answer up keeps it, as complete."""
-        if self.emitter is None or self.emitter.emit is None or self.execution.fallback_reason is not None:
+        if not self.emitter.live or self.execution.fallback_reason is not None:
             return  # a plan that fell back sends the plain answer instead
         plan = self.execution.plan
         if not self.execution.plan_is_complete:
@@ -599,7 +600,7 @@ class _PlatoRun:
         if self.journal is not None and unjournaled:
             await self.journal.nodes(failures=unjournaled)
         self.failures_journaled |= set(unjournaled)
-        await self.settler.send(plan, self.execution.answers, self.journaled, failures, self.heads, self.partials)
+        await self.emitter.settled(plan, self.execution.answers, self.journaled, failures, self.heads, self.partials)
 
     def _lead_parent(self, node: PlanNode) -> int | None:
         """The parent whose conversation this node's prompt continues: the longest one (most KV to
