@@ -42,6 +42,8 @@ VARIANTS = {  # name: (mode, AnswerConfig overrides, EngineConfig overrides)
     "plato-no-copy-guard": ("plato", {"plan_copy_tokens": None}, {}),
     # a node admitted while the plan (or other nodes) decodes prefilled in a pass of its own
     "plato-no-mixed-batches": ("plato", {}, {"mixed_batches": False}),
+    # every node the same share of the budget, however early it starts (AnswerConfig.node_budget_stagger)
+    "plato-equal-budgets": ("plato", {"node_budget_stagger": 0}, {}),
     # the router's mode for each question, answered as such (the report otherwise takes each question's
     # latency from the variant of its routed mode)
     "auto": ("auto", {}, {}),
@@ -50,7 +52,8 @@ VARIANTS = {  # name: (mode, AnswerConfig overrides, EngineConfig overrides)
 # 32 sequences of 1,024 tokens): nine did not fit in this box's 24 GB (the page cache thrashed and
 # every variant slowed), so the default is eight and `--variants` names the others.
 DEFAULT_VARIANTS = [name for name in VARIANTS
-                    if name not in ("plato-no-copy-guard", "plato-no-mixed-batches", "auto")]
+                    if name not in ("plato-no-copy-guard", "plato-no-mixed-batches", "plato-equal-budgets",
+                                    "auto")]
 # Part of a run's settings: raised when a change to the code (not to a setting) alters the answers or
 # their timing, so that a resumed run never mixes answers made before it with answers made after.
 # 2: node prompts name their preamble, whose KV serves the first node of every later question.

@@ -102,8 +102,16 @@ class AnswerConfig(BaseModel):
     node_max_tokens: int = Field(96, ge=1, description="Most tokens one plan node or outline point may take.")
     nodes_per_budget: int = Field(
         4, ge=1, description="Plan nodes and outline points share the answer budget: each may take max_tokens // "
-        "nodes_per_budget tokens (and at most node_max_tokens). 4 is the usual plan length; a node cannot wait "
-        "for the plan's final length, since it starts while the plan is still streaming.")
+        "nodes_per_budget tokens (and at most node_max_tokens), give or take `node_budget_stagger`. 4 is the usual "
+        "plan length; a node cannot wait for the plan's final length, since it starts while the plan is still "
+        "streaming.")
+    node_budget_stagger: int = Field(
+        12, ge=0, description="With pipelining, a node that starts earlier writes more: the k-th of the plan's first "
+        "nodes_per_budget nodes (counting from 0) takes this many tokens more than the next one, and the shares still "
+        "add up to the answer budget; nodes after those, and nodes with parents (they start once a parent is done), "
+        "take the last and smallest share. About the decode steps a plan line takes, so that the nodes started as "
+        "their lines complete end together, rather than the last one decoding a whole share after the plan ends. "
+        "0: equal shares.")
     max_nodes: int = Field(6, ge=2, le=20, description="Plan nodes kept after repair.")
     pipelining: bool = Field(True, description="Start nodes while the plan is still streaming.")
     kv_reuse: bool = Field(True, description="Prefill each node prompt's shared prefix once and reuse it.")
@@ -128,10 +136,16 @@ class AnswerConfig(BaseModel):
         "24/24 at 1.2 (mean nodes 2.25 -> 3.3).")
 
 
-def node_params(config: AnswerConfig, no_copy: list[str] | None = None) -> SamplingParams:
+def node_params(config: AnswerConfig, no_copy: list[str] | None = None, start_rank: int | None = None) -> SamplingParams:
     """Sampling params of one plan node or outline point: its share of the answer budget, and the
-    texts (question and sub-questions) it may not write out again, under `plan_copy_tokens`."""
-    tokens = max(1, min(config.node_max_tokens, config.max_tokens // config.nodes_per_budget))
+    texts (question and sub-questions) it may not write out again, under `plan_copy_tokens`.
+    `start_rank`: how many of the plan's nodes start before this one while the plan streams (see
+    `AnswerConfig.node_budget_stagger`); None for an equal share."""
+    share = config.max_tokens // config.nodes_per_budget
+    if start_rank is not None and config.node_budget_stagger:
+        last = config.nodes_per_budget - 1
+        share = max(share // 3, round(share + config.node_budget_stagger * (last / 2 - min(start_rank, last))))
+    tokens = max(1, min(config.node_max_tokens, share))
     guard = {"no_copy": no_copy, "no_copy_tokens": config.plan_copy_tokens} if no_copy and config.plan_copy_tokens else {}
     return SamplingParams(max_tokens=tokens, stop_on_loop=config.stop_on_loop, **guard)
 
@@ -506,7 +520,7 @@ class _PlatoRun:
                 keep = self.config.follow_up_prompts and may_have_children
             preamble = await self._preamble_length(ids) if self.config.kv_reuse else 0
             no_copy = [self.question, *(n.text for n in plan_so_far.nodes)]
-            params = node_params(self.config, no_copy)
+            params = node_params(self.config, no_copy, self._start_rank(node))
             start = self.partials.get(node.id, "")  # the start a client has of a node taken up
             resume_ids = await self.client.encode(start) if start else []
             request = GenerationRequest(prompt_ids=ids, params=params, preamble_len=preamble, resume_ids=resume_ids,
@@ -539,6 +553,17 @@ class _PlatoRun:
             return
         self._dispatch()
         await self._node_settled(node.id, prompt)
+
+    def _start_rank(self, node: PlanNode) -> int | None:
+        """How many nodes start before this one, for its share of the budget (`node_params`): its place
+        in the plan for a node without parents, which starts as soon as its line is written; last for a
+        node with parents, which waits for one to be answered. A function of the plan alone, so that
+        a planner taking the answer up gives a node the budget it had."""
+        if not self.config.pipelining:
+            return None  # every node starts once the plan is complete
+        if node.depends_on:
+            return self.config.nodes_per_budget - 1
+        return [n.id for n in self.execution.plan.nodes].index(node.id)
 
     def _is_next(self, node_id: int) -> bool:
         """Whether every node before this one in plan order is answered or failed: this one's paragraph

@@ -290,10 +290,39 @@ class BudgetRecordingClient(ScriptedClient):
 @pytest.mark.parametrize(("max_tokens", "node_max_tokens", "each"), [(192, 192, 48), (192, 32, 32), (2, 96, 1)])
 def test_nodes_and_points_share_the_answer_budget(mode, max_tokens, node_max_tokens, each):
     client = BudgetRecordingClient(DIAMOND)
-    config = AnswerConfig(max_tokens=max_tokens, node_max_tokens=node_max_tokens, nodes_per_budget=4)
+    config = AnswerConfig(max_tokens=max_tokens, node_max_tokens=node_max_tokens, nodes_per_budget=4,
+                          node_budget_stagger=0)
     result = asyncio.run(Orchestrator(client, config).answer("How do I paint a room?", mode))
     parts = 4 if mode == "plato" else 3  # the diamond plan; the scripted outline has three points
     assert result.mode == mode and client.node_budgets == [each] * parts
+
+
+SIX_FLAT = "\n".join(f"{i}. Find {c} [needs: none]" for i, c in enumerate("ABCDEF", start=1))
+
+
+@pytest.mark.parametrize(("plan", "stagger", "budgets"), [
+    (SIX_FLAT, 12, [66, 54, 42, 30, 30, 30]),  # the first four add up to the budget; later ones start last
+    (DIAMOND, 12, [66, 30, 30, 30]),  # nodes with parents start once a parent is answered: last
+    (SIX_FLAT, 40, [108, 68, 28, 16, 16, 16]),  # never below a third of the equal share (16 of 48)
+    (SIX_FLAT, 0, [48] * 6),
+])
+def test_with_pipelining_nodes_that_start_earlier_take_more_of_the_budget(plan, stagger, budgets):
+    client = BudgetRecordingClient(plan)
+    answer(client, "plato", max_tokens=192, node_max_tokens=192, node_budget_stagger=stagger)
+    assert client.node_budgets == budgets
+
+
+def test_without_pipelining_or_in_an_outline_every_part_takes_an_equal_share():
+    for mode, pipelining in (("plato", False), ("sot", True)):
+        client = BudgetRecordingClient(SIX_FLAT)
+        answer(client, mode, max_tokens=192, node_max_tokens=192, node_budget_stagger=12, pipelining=pipelining)
+        assert client.node_budgets == [48] * (6 if mode == "plato" else 3)
+
+
+def test_a_staggered_share_stays_within_node_max_tokens():
+    client = BudgetRecordingClient(SIX_FLAT)
+    answer(client, "plato", max_tokens=192, node_max_tokens=50, node_budget_stagger=12)
+    assert client.node_budgets == [50, 50, 42, 30, 30, 30]
 
 
 def test_while_the_plan_streams_nodes_share_the_plan_so_far_up_to_its_last_line():

@@ -15,7 +15,7 @@ from deployments.completion_service import ApiLimits, CompletionService
 from deployments.openai_schema import ChatCompletionRequest
 from engine.types import TokenEvent
 from graph.journal import AnswerJournal, Resume
-from graph.orchestrator import AnswerConfig, Orchestrator
+from graph.orchestrator import AnswerConfig, Orchestrator, node_params
 from tests.test_orchestrator import DIAMOND, ScriptedClient
 
 QUESTION = "Q?"
@@ -375,6 +375,18 @@ def test_a_node_whose_start_a_client_has_goes_on_from_there_when_taken_up():
     node_1 = next(r for r in client.streamed_requests if "Answer part 1" in client._text(r.prompt_ids))
     assert client._text(node_1.resume_ids) == had[len("**Find A.** "):]  # decoding goes on after the client's text
     assert run(AnswerJournal(cache, "k").load()).clean_heads == [1]  # its start stays as the client has it
+
+
+def test_a_node_taken_up_keeps_the_share_of_the_budget_it_started_with():
+    """Node 1 started first, so it has the largest share (AnswerConfig.node_budget_stagger); taken up
+    once the plan is complete, it still has that share, so it ends where it would have."""
+    cache = ContextCache()
+    had = first_attempt("plato", cache, pieces=3, padding=LONG)
+    _, client, _ = take_up(cache, had, padding=LONG, **SLOW_NODES)
+    budgets = {client._text(r.prompt_ids).rsplit("Answer part ", 1)[1][0]: r.params.max_tokens for r in client.requests}
+    config = AnswerConfig()
+    first, last = node_params(config, start_rank=0).max_tokens, node_params(config, start_rank=3).max_tokens
+    assert first > last and budgets == {"1": first, "2": last, "3": last, "4": last}
 
 
 def test_a_plan_still_streaming_when_its_planner_died_is_taken_up_as_far_as_it_was_journaled():
