@@ -42,8 +42,10 @@ VARIANTS = {  # name: (mode, AnswerConfig overrides, EngineConfig overrides)
     "plato-no-copy-guard": ("plato", {"plan_copy_tokens": None}, {}),
     # a node admitted while the plan (or other nodes) decodes prefilled in a pass of its own
     "plato-no-mixed-batches": ("plato", {}, {"mixed_batches": False}),
-    # every node the same share of the budget, however early it starts (AnswerConfig.node_budget_stagger)
-    "plato-equal-budgets": ("plato", {"node_budget_stagger": 0}, {}),
+    # a node that starts earlier takes a larger share of the budget (AnswerConfig.node_budget_stagger)
+    "plato-staggered": ("plato", {"node_budget_stagger": 12}, {}),
+    # nodes run to the end of their share, not wrapping up at a sentence end (AnswerConfig.node_wrap_up_tokens)
+    "plato-no-wrap-up": ("plato", {"node_wrap_up_tokens": None}, {}),
     # the router's mode for each question, answered as such (the report otherwise takes each question's
     # latency from the variant of its routed mode)
     "auto": ("auto", {}, {}),
@@ -52,14 +54,15 @@ VARIANTS = {  # name: (mode, AnswerConfig overrides, EngineConfig overrides)
 # 32 sequences of 1,024 tokens): nine did not fit in this box's 24 GB (the page cache thrashed and
 # every variant slowed), so the default is eight and `--variants` names the others.
 DEFAULT_VARIANTS = [name for name in VARIANTS
-                    if name not in ("plato-no-copy-guard", "plato-no-mixed-batches", "plato-equal-budgets",
-                                    "auto")]
+                    if name not in ("plato-no-copy-guard", "plato-no-mixed-batches", "plato-staggered",
+                                    "plato-no-wrap-up", "auto")]
 # Part of a run's settings: raised when a change to the code (not to a setting) alters the answers or
 # their timing, so that a resumed run never mixes answers made before it with answers made after.
 # 2: node prompts name their preamble, whose KV serves the first node of every later question.
 # 3: prompts admitted while others decode are prefilled in their decode pass (EngineConfig.mixed_batches).
 ANSWER_REVISION = 3
 PARAGRAPH = re.compile(r"\*\*(.+?)\*\* (.*?)(?=\n\n\*\*|\Z)", re.S)
+SENTENCE_ENDED = re.compile(r"[.!?][\"')\]*]*\s*$")
 
 
 def _p90(values: list[float]) -> float:
@@ -70,17 +73,19 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
-def part_checks(text: str) -> tuple[int, int, int, int]:
+def part_checks(text: str) -> tuple[int, int, int, int, int]:
     """Of an answer assembled from parts (plato's nodes, sot's points: '**sub-question** answer'
     paragraphs): how many parts, how many are marked not answered, how many answers write out one of
     the answer's sub-questions again (a heading ending in '?', as plan nodes do; an outline's short
-    points are not questions, and restating a point is how its answer begins), and how many answers
-    ask questions themselves (a '?': mostly a list of questions in place of an answer)."""
+    points are not questions, and restating a point is how its answer begins), how many answers
+    ask questions themselves (a '?': mostly a list of questions in place of an answer), and how many
+    answers stop in the middle of a sentence (cut at their share of the budget)."""
     parts = PARAGRAPH.findall(text)
     questions = [heading.rstrip("?") for heading, _ in parts if heading.endswith("?")]
     answered = [body for _, body in parts if not body.startswith("[not answered")]
     copying = sum(any(q in body for q in questions) for body in answered)
-    return len(parts), len(parts) - len(answered), copying, sum("?" in body for body in answered)
+    cut = sum(not SENTENCE_ENDED.search(body) for body in answered)
+    return len(parts), len(parts) - len(answered), copying, sum("?" in body for body in answered), cut
 
 
 def alone_summary(rows: list[dict]) -> dict:
@@ -107,6 +112,7 @@ def alone_summary(rows: list[dict]) -> dict:
         "parts_unanswered_rate": round(sum(c[1] for c in checks) / parts, 3) if parts else None,
         "parts_copying_plan_rate": round(sum(c[2] for c in checks) / parts, 3) if parts else None,
         "parts_asking_rate": round(sum(c[3] for c in checks) / parts, 3) if parts else None,
+        "parts_cut_rate": round(sum(c[4] for c in checks) / parts, 3) if parts else None,
     }
 
 
@@ -311,10 +317,10 @@ def report(args, rows: list[dict], budget: int, answers: dict[str, list[dict]], 
         "machine": machine(),
     }
     print(table(["mode", "latency mean s", "p90 s", "answers/min", "tok/s", "fallback", "prefix hit", "shareable",
-                 "parts unanswered", "parts copying plan", "parts asking"],
+                 "parts unanswered", "parts copying plan", "parts asking", "parts cut"],
                 [[n, s["latency_mean_s"], s["latency_p90_s"], s["answers_per_min"], s["answer_tok_s"],
                   s["fallback_rate"], s["prefix_hit_rate"], s["prefix_shareable_rate"], s["parts_unanswered_rate"],
-                  s["parts_copying_plan_rate"], s["parts_asking_rate"]] for n, s in summary.items()]))
+                  s["parts_copying_plan_rate"], s["parts_asking_rate"], s["parts_cut_rate"]] for n, s in summary.items()]))
     shown = [name for name in ("ar", "sot", "plato") if name in answers]
     print(table(["category", "questions", "routed to plato", *(f"{n} s" for n in shown), "plato vs ar", "plato vs sot"],
                 [[c, v["questions"], v["routed_to_plato"], *(v["modes"][n]["latency_mean_s"] for n in shown),

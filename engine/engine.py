@@ -21,6 +21,7 @@ from engine.loops import LoopDetector
 from engine.llama import LlamaRunner, LogitRows, PrefillItem
 from engine.prefix_cache import PrefixCache, PrefixEntry, PrefixHandle, common_length
 from engine.sampling import make_generator, sample, token_logprobs
+from engine.sentences import sentence_end
 from engine.types import FinishReason, GenerationRequest, Result, TokenEvent, TokenLogprob
 
 
@@ -571,17 +572,18 @@ class LLMEngine(Engine):
             sequence.logprobs.append(logprob)
             sequence.new_logprobs.append(logprob)
         self._stats["generated_tokens"] += 1
-        sequence.detokenizer.add(sequence.generated)
+        added = sequence.detokenizer.add(sequence.generated)
         if sequence.constraint is not None:
             sequence.constraint.advance(token)
-        sequence.finish = self._check_finish(sequence)
+        sequence.finish = self._check_finish(sequence, len(sequence.detokenizer.text) - len(added))
         if sequence.finish is None and sequence.loops is not None and sequence.loops.add(token):
             # a constrained answer (JSON) cut here would be unfinished: its constraint closes it instead
             sequence.loops = None
             if sequence.constraint is None or not sequence.constraint.wrap_up():
                 sequence.finish = FinishReason.STOP
 
-    def _check_finish(self, sequence: _Sequence) -> FinishReason | None:
+    def _check_finish(self, sequence: _Sequence, added_at: int) -> FinishReason | None:
+        """Whether the sequence is done, its newest token's text starting at `added_at` of its text."""
         params = sequence.request.params
         if params.stop:
             # Unsent text holds any partial stop string (see _event), so a match starts after it.
@@ -589,6 +591,11 @@ class LLMEngine(Engine):
             hits = [i for i in (text.find(s, sequence.sent_chars) for s in params.stop) if i >= 0]
             if hits:
                 sequence.detokenizer.text = text[: min(hits)]
+                return FinishReason.STOP
+        if params.wrap_up_tokens and len(sequence.generated) > params.max_tokens - params.wrap_up_tokens:
+            end = sentence_end(sequence.detokenizer.text, added_at)
+            if end is not None:
+                sequence.detokenizer.text = sequence.detokenizer.text[:end]
                 return FinishReason.STOP
         if sequence.constraint is not None and sequence.constraint.is_complete:
             return FinishReason.STOP

@@ -40,6 +40,10 @@ class SamplingParams(BaseModel):
         "scheduler below max_tokens; hitting it marks the result CUT (unfinished, to be re-queued) "
         "rather than LENGTH.",
     )
+    wrap_up_tokens: int | None = Field(
+        None, ge=1, description="In its last this many tokens before max_tokens, the answer ends (STOP) at the first "
+        "sentence end: '.', '!' or '?' after a word, then whitespace (the whitespace is not kept). A part of a longer "
+        "answer (a plan node) then ends on a whole sentence more often, rather than being cut in the middle of one.")
     stop_on_loop: bool = Field(
         False,
         description="End the answer (STOP) once it repeats one block of tokens three times in a row "

@@ -21,7 +21,7 @@ from engine.types import FinishReason, GenerationRequest, Result, SamplingParams
 from graph.assemble import assemble_answer, settled_text, stable_body
 from graph.executor import DagExecution, NodeStatus, NodeTiming
 from graph.journal import AnswerJournal, NodePrompt, Resume, SavedAnswer
-from graph.plan import MIN_NODES, Plan, PlanNode
+from graph.plan import Plan, PlanNode
 from graph.plan_format import StreamingPlanParser, parse_plan
 from graph.router import route
 from graph.prompts import (
@@ -106,12 +106,19 @@ class AnswerConfig(BaseModel):
         "plan length; a node cannot wait for the plan's final length, since it starts while the plan is still "
         "streaming.")
     node_budget_stagger: int = Field(
-        12, ge=0, description="With pipelining, a node that starts earlier writes more: the k-th of the plan's first "
+        0, ge=0, description="With pipelining, a node that starts earlier writes more: the k-th of the plan's first "
         "nodes_per_budget nodes (counting from 0) takes this many tokens more than the next one, and the shares still "
         "add up to the answer budget; nodes after those, and nodes with parents (they start once a parent is done), "
-        "take the last and smallest share. About the decode steps a plan line takes, so that the nodes started as "
-        "their lines complete end together, rather than the last one decoding a whole share after the plan ends. "
-        "0: equal shares.")
+        "take the last and smallest share. About the decode steps a plan line takes (12 on the embedded model), so "
+        "that the nodes started as their lines complete end together, rather than the last one decoding a whole "
+        "share after the plan ends. 0 (equal shares) by default: on the CPU, where a step costs about in proportion "
+        "to its batch, 12 measured 1.04x faster on Vicuna-80 with 3% fewer tokens, the same tokens a second "
+        "(bench/RESULTS.md); where a step costs the same at any batch (a GPU) the lone last node's steps are what it "
+        "saves, not measured there yet.")
+    node_wrap_up_tokens: int | None = Field(
+        16, ge=1, description="In its last this many tokens, a plan node's answer ends at the first sentence end (the "
+        "engine's `wrap_up_tokens`), so that its paragraph ends on a whole sentence more often than cut in the middle "
+        "of one. None: nodes run to their share. Skeleton-of-Thought's points go without, as that paper's baseline has it.")
     max_nodes: int = Field(6, ge=2, le=20, description="Plan nodes kept after repair.")
     pipelining: bool = Field(True, description="Start nodes while the plan is still streaming.")
     kv_reuse: bool = Field(True, description="Prefill each node prompt's shared prefix once and reuse it.")
@@ -136,18 +143,21 @@ class AnswerConfig(BaseModel):
         "24/24 at 1.2 (mean nodes 2.25 -> 3.3).")
 
 
-def node_params(config: AnswerConfig, no_copy: list[str] | None = None, start_rank: int | None = None) -> SamplingParams:
+def node_params(config: AnswerConfig, no_copy: list[str] | None = None, start_rank: int | None = None,
+                wrap_up: bool = False) -> SamplingParams:
     """Sampling params of one plan node or outline point: its share of the answer budget, and the
     texts (question and sub-questions) it may not write out again, under `plan_copy_tokens`.
     `start_rank`: how many of the plan's nodes start before this one while the plan streams (see
-    `AnswerConfig.node_budget_stagger`); None for an equal share."""
+    `AnswerConfig.node_budget_stagger`); None for an equal share. `wrap_up`: end at a sentence end
+    near the share's end (`AnswerConfig.node_wrap_up_tokens`)."""
     share = config.max_tokens // config.nodes_per_budget
     if start_rank is not None and config.node_budget_stagger:
         last = config.nodes_per_budget - 1
         share = max(share // 3, round(share + config.node_budget_stagger * (last / 2 - min(start_rank, last))))
     tokens = max(1, min(config.node_max_tokens, share))
     guard = {"no_copy": no_copy, "no_copy_tokens": config.plan_copy_tokens} if no_copy and config.plan_copy_tokens else {}
-    return SamplingParams(max_tokens=tokens, stop_on_loop=config.stop_on_loop, **guard)
+    wrap = config.node_wrap_up_tokens if wrap_up else None
+    return SamplingParams(max_tokens=tokens, stop_on_loop=config.stop_on_loop, wrap_up_tokens=wrap, **guard)
 
 
 class Answer(BaseModel):
@@ -381,7 +391,9 @@ class _PlatoRun:
 
     async def execute(self) -> Answer:
         if self.saved is not None and self.saved.plan is not None:
-            await self._restore(self.saved)
+            fallback = await self._restore(self.saved)
+            if fallback:
+                return await self._fall_back(fallback)
             return await self._finish(self.saved.plan_s)
         started = time.perf_counter()
         try:
@@ -389,38 +401,44 @@ class _PlatoRun:
         except ValueError:  # the request's own fault (a question too long to plan, say): the caller's to hear
             raise
         except Exception as exc:  # the plan's decoding failed: a plain answer may still be had
-            if self.emitter.sent:  # but its parts are going out: keep them
-                self.execution.plan_complete()  # two nodes at least, or nothing would have gone out
-                self.tokens += self.plan_tokens_seen
+            why = f"fallback to plain decoding: the plan failed to decode ({type(exc).__name__}: {exc})"
+            self.tokens += self.plan_tokens_seen
+            if self.emitter.sent and not self.execution.plan_complete():  # its parts are going out: keep them
                 log.warning("a plan whose parts were going out was cut where its decoding failed: %r", exc)
                 return await self._finish(time.perf_counter() - started)
-            for task in self.tasks:  # nodes of a plan that will not be finished
-                task.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-            why = f"fallback to plain decoding: the plan failed to decode ({type(exc).__name__}: {exc})"
             return await self._fall_back(why)
         self.tokens += plan_result.completion_tokens
         fallback = self.execution.plan_complete()
         if fallback:
-            await self._drain()
             return await self._fall_back(fallback)
         if self.journal is not None:
             await self.journal.plan(self.execution.plan, plan_s=plan_s, tokens=self.tokens)
         return await self._finish(plan_s)
 
     async def _fall_back(self, why: str) -> Answer:
+        """Answer plainly instead. A client may have the plan's first part already (its first line, alone,
+        did not yet settle that the plan would not fall back): the plain answer goes on after it. Taken up,
+        the client's text is the one it was sent before (this emitter starts from the beginning again)."""
+        for task in self.tasks:  # nodes of a plan that will not be used
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.tasks.clear()
         if self.journal is not None:
             await self.journal.note(fallback=why, tokens=self.tokens)
         orchestrator = Orchestrator(self.client, self.config)
-        return await orchestrator._ar(self.question, fallback=why, spent=self.tokens, emitter=self.emitter)
+        return await orchestrator._ar(self.question, fallback=why, spent=self.tokens, emitter=self.emitter,
+                                      continue_from=max(self.emitter.sent, self.sent, key=len))
 
-    async def _restore(self, saved: SavedAnswer) -> None:
+    async def _restore(self, saved: SavedAnswer) -> str | None:
         """Take up a journaled answer: its plan (complete, or as far as it had gone when its parts began to
         go out: kept as complete), the nodes already answered or failed (failures that were journaled were
-        sent as such) and the prompts their children continue."""
+        sent as such) and the prompts their children continue. Returns why to answer plainly instead: a
+        plan journaled with one line, as its first part went out, is too short to execute."""
         for node in saved.plan.nodes:  # repaired already: repair keeps it as it is
             self.execution.add_node(node)
-        self.execution.plan_complete()
+        fallback = self.execution.plan_complete()
+        if fallback:
+            return fallback
         for node_id, reason in saved.failures.items():
             self.execution.node_failed(node_id, reason)
         for node_id, text in saved.answers.items():
@@ -433,6 +451,7 @@ class _PlatoRun:
         self.journaled |= set(saved.answers)
         self.heads |= set(saved.clean_heads)
         self._take_up(self.sent)
+        return None
 
     def _take_up(self, sent: str) -> None:
         """A client may have the start of the next node's paragraph (streamed as it was written): that
@@ -520,7 +539,7 @@ class _PlatoRun:
                 keep = self.config.follow_up_prompts and may_have_children
             preamble = await self._preamble_length(ids) if self.config.kv_reuse else 0
             no_copy = [self.question, *(n.text for n in plan_so_far.nodes)]
-            params = node_params(self.config, no_copy, self._start_rank(node))
+            params = node_params(self.config, no_copy, self._start_rank(node), wrap_up=True)
             start = self.partials.get(node.id, "")  # the start a client has of a node taken up
             resume_ids = await self.client.encode(start) if start else []
             request = GenerationRequest(prompt_ids=ids, params=params, preamble_len=preamble, resume_ids=resume_ids,
@@ -608,14 +627,16 @@ class _PlatoRun:
 
     async def _settle(self) -> None:
         """Send what is settled now (nodes failed meanwhile included: those are journaled first). While
-        the plan streams, once it has two usable nodes: it cannot fall back to plain decoding after that
-        (graph.plan.PlanNormalizer.verdict), and later lines only add paragraphs after these. The plan
-        so far is journaled first: a planner that takes the answer up keeps it, as complete."""
+        the plan streams, from its first usable node on: later lines only add paragraphs after it. A plan
+        of one usable node falls back to plain decoding (graph.plan.PlanNormalizer.verdict), which then
+        goes on after what was sent; from the second on it cannot. Measured on the embedded model, the
+        first line comes about 0.9 s before the second. The plan so far is journaled first: a planner that
+        takes the answer up keeps it, as complete."""
         if not self.emitter.live or self.execution.fallback_reason is not None:
             return  # a plan that fell back sends the plain answer instead
         plan = self.execution.plan
         if not self.execution.plan_is_complete:
-            if len(plan.nodes) < MIN_NODES:
+            if not plan.nodes:
                 return
             if self.journal is not None and len(plan.nodes) > self.plan_journaled:
                 await self.journal.plan(plan, tokens=self.tokens)

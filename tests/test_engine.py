@@ -3,6 +3,7 @@ prefix reuse, continuous batching, priorities, sampling, finish reasons, aborts,
 the TokenEvent stream."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pydantic
@@ -367,6 +368,34 @@ def test_token_events_add_up_to_the_result(make_engine, decode_alone):
         req("sampled", ids(10, 123), max_tokens=12, temperature=1.0, seed=1),
     ]
     _check_events_match_results(make_engine(max_batch_size=2), requests)
+
+
+def _pieces_engine(tiny_model, pieces):
+    from bench.random_model import piece_tokenizer
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+
+    return LLMEngine(tiny_model, piece_tokenizer(pieces), EngineConfig(max_batch_size=1))
+
+
+def test_an_answer_wraps_up_at_the_first_sentence_end_within_its_last_tokens(tiny_model):
+    words = [" " + "".join(w) for w in itertools.product("abcdefg", repeat=3)][:253]  # ids 3.. decode to these
+    prompt = ids(7, 140)
+    [full] = _pieces_engine(tiny_model, words).generate([req("f", prompt, max_tokens=16)])
+    tokens = full.token_ids
+    at = next(i for i in range(10, 4, -1) if tokens.count(tokens[i]) == 1)  # a token that comes once
+    pieces = list(words)
+    pieces[tokens[at] - 3] += "."  # that token ends a sentence
+    engine = _pieces_engine(tiny_model, pieces)
+    text = lambda ids_: "".join(pieces[t - 3] for t in ids_)  # noqa: E731
+    # within the last 16 - at + 1 tokens the sentence end counts: the answer stops once the next token's space came
+    [wrapped] = engine.generate([req("w", prompt, max_tokens=16, wrap_up_tokens=16 - at)])
+    assert wrapped.finish_reason == FinishReason.STOP and wrapped.token_ids == tokens[: at + 2]
+    assert wrapped.text == text(tokens[: at + 1]) and wrapped.text.endswith(".")
+    # a sentence that ends before the last tokens does not end the answer
+    [on] = engine.generate([req("o", prompt, max_tokens=16, wrap_up_tokens=16 - at - 2)])
+    assert on.finish_reason == FinishReason.LENGTH and on.token_ids == tokens and on.text == text(tokens)
+    _check_events_match_results(engine, [req("s", prompt, max_tokens=16, wrap_up_tokens=16 - at)])
 
 
 def test_stop_string_spanning_two_tokens_is_not_streamed(make_engine, decode_alone):

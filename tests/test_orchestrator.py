@@ -319,6 +319,20 @@ def test_without_pipelining_or_in_an_outline_every_part_takes_an_equal_share():
         assert client.node_budgets == [48] * (6 if mode == "plato" else 3)
 
 
+def test_plan_nodes_wrap_up_at_a_sentence_end_and_outline_points_do_not():
+    class Recording(ScriptedClient):
+        async def generate(self, request):
+            prompt = self._text(request.prompt_ids)
+            if "in two or three sentences: " in prompt or "Write only point" in prompt:
+                asked.append(request.params.wrap_up_tokens)
+            return await super().generate(request)
+
+    for mode, wrap_up, expected in (("plato", 16, 16), ("plato", None, None), ("sot", 16, None)):
+        asked = []
+        answer(Recording(DIAMOND), mode, node_wrap_up_tokens=wrap_up)
+        assert len(asked) in (3, 4) and set(asked) == {expected}
+
+
 def test_a_staggered_share_stays_within_node_max_tokens():
     client = BudgetRecordingClient(SIX_FLAT)
     answer(client, "plato", max_tokens=192, node_max_tokens=50, node_budget_stagger=12)

@@ -75,14 +75,45 @@ def test_a_plan_is_sent_paragraph_by_paragraph_in_plan_order():
     assert "node:1" not in sent.log_at[0] and "node:4" not in sent.log_at[1]
 
 
-def test_parts_go_out_while_the_plan_streams_once_it_has_two_usable_nodes():
-    # a plan of one usable node falls back to plain decoding; from the second on, it cannot
+def test_parts_go_out_while_the_plan_streams_from_its_first_usable_node():
     client = ScriptedClient(DIAMOND, line_delay=0.05, node_delay=0.01)
     sent = Collect(client)
     answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
     assert "".join(sent.pieces) == answer.text == undisturbed(line_delay=0.05, node_delay=0.01)
-    assert sent.pieces[0] == "**Find A.** answer to Find A\n\n**Use A for B.** " and "plan:end" not in sent.log_at[0]
-    assert "node:2" not in sent.log_at[0]  # it went out as the second line came, not with node 2
+    assert sent.pieces[:3] == ["**Find A.** ", "answer to Find A", "\n\n**Use A for B.** "]
+    assert "node:1" not in sent.log_at[0] and "node:2" not in sent.log_at[1]  # each as soon as it was known
+    assert "plan:end" not in sent.log_at[2]
+
+
+ONE_USABLE_LINE = "1. Find A [needs: none]\n2. Find A [needs: none]"  # repair drops the repeated line
+
+
+def test_a_plan_left_with_one_usable_node_after_its_first_part_went_out_goes_on_plainly_after_it():
+    client = ScriptedClient(ONE_USABLE_LINE, line_delay=0.05, node_delay=0.01)
+    sent = Collect(client)
+    answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
+    assert "".join(sent.pieces) == answer.text and answer.fallback == (
+        "fallback to plain decoding: only 1 usable node, nothing to decode in parallel")
+    assert sent.pieces[0] == "**Find A.** " and answer.text.startswith("**Find A.** answer to Find A")
+    assert answer.text.endswith("a plain answer") and client.log[-1] == "ar"
+    # unstreamed, nothing of the plan was shown, so the plain answer is all of it
+    assert undisturbed(plan=ONE_USABLE_LINE, line_delay=0.05, node_delay=0.01) == "a plain answer"
+
+
+def test_a_plan_that_fails_to_decode_after_its_first_part_went_out_goes_on_plainly_after_it():
+    class BreaksAfterOneLine(ScriptedClient):
+        async def stream(self, request):
+            async for item in super().stream(request):
+                if isinstance(item, TokenEvent) and "2. " in item.text:
+                    raise RuntimeError("the plan's stream broke")
+                yield item
+
+    client = BreaksAfterOneLine(DIAMOND, line_delay=0.05, node_delay=0.01)
+    sent = Collect(client)
+    answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
+    assert answer.fallback.startswith("fallback to plain decoding: the plan failed to decode (RuntimeError")
+    assert "".join(sent.pieces) == answer.text and answer.text.startswith("**Find A.** ")
+    assert answer.text.endswith("a plain answer") and "node:2" not in client.log
 
 
 def test_a_plan_whose_decoding_fails_after_its_parts_began_to_go_out_keeps_them():
@@ -121,12 +152,13 @@ def test_a_plain_answer_and_a_plan_that_falls_back_are_sent_token_by_token():
         assert (answer.fallback is not None) == (mode == "plato")
 
 
-def test_a_node_that_fails_after_its_plan_fell_back_sends_nothing_of_the_plan():
-    # one usable line: the plan falls back; node 1, started as the line came, fails after that
-    client = ScriptedClient("1. Find A [needs: none]", line_delay=0.005, node_delay=0.05, fail_on="Find A")
+def test_a_node_that_fails_after_its_plan_fell_back_sends_nothing_more_of_the_plan():
+    # one usable line: its lead goes out and the plan falls back; node 1, started as the line came and
+    # failing later, is stopped, and nothing of it is sent
+    client = ScriptedClient(ONE_USABLE_LINE, line_delay=0.005, node_delay=0.05, fail_on="Find A")
     sent = Collect(client)
     answer = run(Orchestrator(client).answer(QUESTION, "plato", sent))
-    assert answer.fallback is not None and answer.text == "a plain answer" == "".join(sent.pieces)
+    assert answer.fallback is not None and answer.text == "**Find A.** a plain answer" == "".join(sent.pieces)
 
 
 def test_outline_points_are_sent_in_order_as_they_settle():
@@ -154,19 +186,22 @@ async def until_dead(answer, contexts: Mortal, sent: Collect, pieces: int) -> st
     return "".join(sent.pieces[:pieces])
 
 
-def first_attempt(mode: str, cache: ContextCache, pieces: int, plan: str = DIAMOND, **client) -> str:
+def first_attempt(mode: str, cache: ContextCache, pieces: int, plan: str = DIAMOND, config: AnswerConfig | None = None,
+                  **client) -> str:
     """Answer under a journal until `pieces` pieces are sent, then die; the text the client has."""
     contexts, sent = Mortal(cache), Collect()
-    answer = Orchestrator(ScriptedClient(plan, **SLOW_NODES, **client)).answer(QUESTION, mode, sent, AnswerJournal(contexts, "k"))
+    orchestrator = Orchestrator(ScriptedClient(plan, **SLOW_NODES, **client), config)
+    answer = orchestrator.answer(QUESTION, mode, sent, AnswerJournal(contexts, "k"))
     return run(until_dead(answer, contexts, sent, pieces))  # what is left running is cancelled as the loop ends
 
 
-def take_up(cache: ContextCache, sent_text: str, mode: str = "plato", plan: str = DIAMOND, **client):
+def take_up(cache: ContextCache, sent_text: str, mode: str = "plato", plan: str = DIAMOND,
+            config: AnswerConfig | None = None, **client):
     journal = AnswerJournal(cache, "k")
     saved = run(journal.load())
     client = ScriptedClient(plan, **client)
     sent = Collect()
-    answer = run(Orchestrator(client).answer(QUESTION, mode, sent, journal, Resume(saved=saved, sent=sent_text)))
+    answer = run(Orchestrator(client, config).answer(QUESTION, mode, sent, journal, Resume(saved=saved, sent=sent_text)))
     assert "".join(sent.pieces) == answer.text
     return saved, client, answer
 
@@ -377,14 +412,26 @@ def test_a_node_whose_start_a_client_has_goes_on_from_there_when_taken_up():
     assert run(AnswerJournal(cache, "k").load()).clean_heads == [1]  # its start stays as the client has it
 
 
+def test_a_plan_journaled_with_one_line_when_its_planner_died_is_taken_up_as_a_plain_answer():
+    cache = ContextCache()
+    contexts, sent = Mortal(cache), Collect()
+    client = ScriptedClient(DIAMOND, line_delay=0.2, node_delay=0.01)
+    answer = Orchestrator(client).answer(QUESTION, "plato", sent, AnswerJournal(contexts, "k"))
+    had = run(until_dead(answer, contexts, sent, pieces=1))
+    assert had == "**Find A.** "
+    saved, client, answer = take_up(cache, had, line_delay=0.2, node_delay=0.01)
+    assert [n.text for n in saved.plan.nodes] == ["Find A"]
+    assert answer.fallback == "fallback to plain decoding: only 1 usable node, nothing to decode in parallel"
+    assert answer.text == had + "a plain answer" and client.log == ["ar"]
+
+
 def test_a_node_taken_up_keeps_the_share_of_the_budget_it_started_with():
     """Node 1 started first, so it has the largest share (AnswerConfig.node_budget_stagger); taken up
     once the plan is complete, it still has that share, so it ends where it would have."""
-    cache = ContextCache()
-    had = first_attempt("plato", cache, pieces=3, padding=LONG)
-    _, client, _ = take_up(cache, had, padding=LONG, **SLOW_NODES)
+    cache, config = ContextCache(), AnswerConfig(node_budget_stagger=12)
+    had = first_attempt("plato", cache, pieces=3, config=config, padding=LONG)
+    _, client, _ = take_up(cache, had, config=config, padding=LONG, **SLOW_NODES)
     budgets = {client._text(r.prompt_ids).rsplit("Answer part ", 1)[1][0]: r.params.max_tokens for r in client.requests}
-    config = AnswerConfig()
     first, last = node_params(config, start_rank=0).max_tokens, node_params(config, start_rank=3).max_tokens
     assert first > last and budgets == {"1": first, "2": last, "3": last, "4": last}
 
@@ -394,8 +441,8 @@ def test_a_plan_still_streaming_when_its_planner_died_is_taken_up_as_far_as_it_w
     contexts, sent = Mortal(cache), Collect()
     client = ScriptedClient(DIAMOND, line_delay=0.05, node_delay=0.01)
     answer = Orchestrator(client).answer(QUESTION, "plato", sent, AnswerJournal(contexts, "k"))
-    had = run(until_dead(answer, contexts, sent, pieces=1))
-    assert "plan:end" not in client.log and had.startswith("**Find A.** answer to Find A\n\n")
+    had = run(until_dead(answer, contexts, sent, pieces=3))  # node 1's lead, its answer, node 2's lead
+    assert "plan:end" not in client.log and had == "**Find A.** answer to Find A\n\n**Use A for B.** "
     saved, client, answer = take_up(cache, had, line_delay=0.05, node_delay=0.01)
     assert [n.text for n in saved.plan.nodes] == ["Find A", "Use A for B"]  # the two lines it had when text went out
     assert [n.text for n in answer.plan.nodes] == ["Find A", "Use A for B"] and answer.text.startswith(had)

@@ -134,8 +134,10 @@ def test_part_checks_count_empty_parts_and_parts_that_write_a_sub_question_out_a
             "**How is B used?** 1. What is A?\n2. How is B used?\n\n"
             "**Why C?** [not answered: the answer only repeated the question]\n\n"
             "**Enough light.** Enough light matters.")  # an outline point, not a question: restating it is fine
-    assert part_checks(text) == (4, 1, 1, 1)
-    assert part_checks("a plain answer") == (0, 0, 0, 0)
+    assert part_checks(text) == (4, 1, 1, 1, 0)
+    assert part_checks("a plain answer") == (0, 0, 0, 0, 0)
+    cut = "**What is A?** A is a letter, and\n\n**Why B?** Because (so **it** is).\n\n**Why C?** Part.\n[cut short: late]"
+    assert part_checks(cut) == (3, 0, 0, 0, 2)  # a paragraph cut at its budget, and one cut short
 
 
 def test_the_part_rates_count_planned_answers_only():
@@ -143,7 +145,7 @@ def test_the_part_rates_count_planned_answers_only():
     fallen_back = row(2.0, planned=True, fallback="cycle", text="**What is A?** [not answered: no answer]")
     summary = alone_summary([planned, fallen_back, row(1.0)])
     assert summary["parts_copying_plan_rate"] == 0.5 and summary["parts_unanswered_rate"] == 0.0
-    assert summary["parts_asking_rate"] == 0.5
+    assert summary["parts_asking_rate"] == 0.5 and summary["parts_cut_rate"] == 0.0
     assert alone_summary([row(1.0)])["parts_copying_plan_rate"] is None
 
 
