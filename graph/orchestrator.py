@@ -436,6 +436,7 @@ class _PlatoRun:
         plan journaled with one line, as its first part went out, is too short to execute."""
         for node in saved.plan.nodes:  # repaired already: repair keeps it as it is
             self.execution.add_node(node)
+        self.tokens = saved.tokens
         fallback = self.execution.plan_complete()
         if fallback:
             return fallback
@@ -447,7 +448,6 @@ class _PlatoRun:
                 prompt = saved.prompts.get(node_id)
                 if prompt is not None:  # no KV kept on this replica to claim (`kept` empty)
                     self.conversations[node_id] = _NodeConversation(prompt.messages, text, prompt.length, [])
-        self.tokens = saved.tokens
         self.journaled |= set(saved.answers)
         self.heads |= set(saved.clean_heads)
         self._take_up(self.sent)
@@ -630,7 +630,7 @@ class _PlatoRun:
         the plan streams, from its first usable node on: later lines only add paragraphs after it. A plan
         of one usable node falls back to plain decoding (graph.plan.PlanNormalizer.verdict), which then
         goes on after what was sent; from the second on it cannot. Measured on the embedded model, the
-        first line comes about 0.9 s before the second. The plan so far is journaled first: a planner that
+        first line comes about 0.8 s before the second. The plan so far is journaled first: a planner that
         takes the answer up keeps it, as complete."""
         if not self.emitter.live or self.execution.fallback_reason is not None:
             return  # a plan that fell back sends the plain answer instead
@@ -639,7 +639,7 @@ class _PlatoRun:
             if not plan.nodes:
                 return
             if self.journal is not None and len(plan.nodes) > self.plan_journaled:
-                await self.journal.plan(plan, tokens=self.tokens)
+                await self.journal.plan(plan, tokens=self.tokens + self.plan_tokens_seen)
                 self.plan_journaled = max(self.plan_journaled, len(plan.nodes))
         failures = self.execution.failures
         unjournaled = {i: r for i, r in failures.items() if i not in self.failures_journaled}

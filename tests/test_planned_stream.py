@@ -423,6 +423,8 @@ def test_a_plan_journaled_with_one_line_when_its_planner_died_is_taken_up_as_a_p
     assert [n.text for n in saved.plan.nodes] == ["Find A"]
     assert answer.fallback == "fallback to plain decoding: only 1 usable node, nothing to decode in parallel"
     assert answer.text == had + "a plain answer" and client.log == ["ar"]
+    # the plan's line (one token here) the dead replica wrote counts, as does the text the plain answer resumed
+    assert saved.tokens == 1 and answer.completion_tokens == 1 + len(answer.text)
 
 
 def test_a_node_taken_up_keeps_the_share_of_the_budget_it_started_with():
