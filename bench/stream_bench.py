@@ -1,8 +1,8 @@
 """`python -m bench stream`: how soon a streamed planned answer's client reads text, on the embedded
 model through the completion service (the planner's own), one question at a time, greedy.
 
-A planned answer now goes out as it settles (a plan's paragraphs in plan order once the plan is
-complete, a plain answer token by token); before, it went out whole at its end. For each of the
+A planned answer now goes out as it settles (a plan's paragraphs in plan order from its first line,
+the next one token by token, a plain answer token by token); before, it went out whole at its end. For each of the
 first `--limit` Vicuna questions the router sends to planning, `ar`, `sot` and `plato` take turns
 (the order alternating by question). Per mode: seconds to the first text, and to the end, which is
 when the whole answer used to arrive. `first_text_gain` is plato's mean seconds to the end over its

@@ -317,7 +317,7 @@ class CompletionService:
     async def _planned_stream(self, request: ChatCompletionRequest, engine_request: GenerationRequest,
                               call: PlannedCall | None, started: float) -> AsyncIterator[dict]:
         """A planned answer's chunks as its text is written (graph.orchestrator: a plan's paragraphs in plan
-        order from its second node on, the next one token by token; a plain answer token by token). Taken up
+        order from its first line on, the next one token by token; a plain answer token by token). Taken up
         after a planner's death, it sends only what follows the text the client has, and no second opening
         chunk."""
         journal = self._journal(call)

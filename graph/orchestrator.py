@@ -496,7 +496,7 @@ class _PlatoRun:
                     continue
                 self.plan_tokens_seen += len(item.token_ids)
                 if self._add_nodes(parser.feed(item.text)):
-                    await self._settle()  # a second node lets the answer's parts go out
+                    await self._settle()  # the new line's part, and what its nodes wrote, may go out
         except ValueError as exc:
             if params.constraint is None or not str(exc).startswith("constraint"):
                 raise
