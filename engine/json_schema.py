@@ -20,7 +20,13 @@ schema allows, written the way OpenAI's structured outputs write it:
 - an array with uniqueItems whose items are scalars never repeats a value (engine.unique_items).
 - an object with minProperties or maxProperties counts its keys: listed properties are skipped only
   while enough are left, and free keys (no `properties`) are kept, so that none is written twice.
-Keywords that would need more than this (patternProperties, other formats, ...) are refused
+- free keys follow `propertyNames` (pydantic writes it for dict[Literal[...], X], dict[SomeEnum, X] and
+  keys with length bounds) and one `patternProperties` pattern (dict[constr(pattern=...), X]): each key
+  is written to match the pattern, its value under the pattern's schema (so additionalProperties never
+  applies), and none twice. Listed properties are checked against both: a required one propertyNames
+  does not admit is refused, an optional one is never written, and one that matches the pattern too
+  (its value would be under two schemas) is refused.
+Keywords that would need more than this (several patternProperties, other formats, ...) are refused
 with a ValueError naming the keyword and where it is, never ignored: an answer that ignored them could fail
 the user's validation.
 """
@@ -32,12 +38,12 @@ from dataclasses import dataclass, field
 
 from engine.number_bounds import BOUND_WORDS, NumberRange, exact
 from engine.regex_nfa import Nfa, compile_pattern
-from engine.unique_items import check_unique_items
+from engine.unique_items import check_distinct_keys, check_unique_items, item_leaves
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "discriminator"}
 HANDLED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "uniqueItems",
-           "minProperties", "maxProperties",
+           "minProperties", "maxProperties", "propertyNames", "patternProperties",
            "minLength", "maxLength", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
            "pattern", "format", *BOUND_WORDS}
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
@@ -65,12 +71,13 @@ class Node:
     options: tuple[int, ...] = ()  # any_of: the alternatives' nodes
     min_properties: int = 0  # object: how many keys it has at least, and at most (None: no most)
     max_properties: int | None = None
-    key_node: int | None = None  # object without properties, counted: its keys' node (their texts are kept)
+    key_node: int | None = None  # object without properties, counted or with named keys: its keys' node (their texts are kept)
 
     @property
     def counted(self) -> bool:
-        """An object whose keys are counted (minProperties or maxProperties)."""
-        return self.kind == "object" and (self.min_properties > 0 or self.max_properties is not None)
+        """An object whose keys are counted (minProperties or maxProperties) or kept (free keys under a rule)."""
+        return self.kind == "object" and (self.min_properties > 0 or self.max_properties is not None
+                                          or self.key_node is not None)
 
     def key_choices(self, first: int) -> range:
         """The properties that may come next once those before `first` are settled: the optional ones
@@ -126,6 +133,7 @@ class _Compiler:
         self.refs: dict[str, int] = {}
         self.any_node: int | None = None
         self.unique_arrays: list[tuple[int, str]] = []  # checked once every node is compiled
+        self.keyed_objects: list[tuple[int, str]] = []  # so are objects whose free keys follow a rule
 
     def compile(self, schema, where: str) -> int:
         if schema is True or schema == {}:
@@ -155,7 +163,8 @@ class _Compiler:
             return self.literal(schema, where)
         types = schema.get("type")
         if types is None:
-            if any(k in schema for k in ("properties", "required", "additionalProperties")):
+            if any(k in schema for k in ("properties", "required", "additionalProperties", "minProperties",
+                                         "maxProperties", "propertyNames", "patternProperties")):
                 types = "object"
             elif any(k in schema for k in ("items", "minItems", "maxItems")):
                 types = "array"
@@ -264,6 +273,8 @@ class _Compiler:
         properties = schema.get("properties") or {}
         required = schema.get("required") or []
         extra = schema.get("additionalProperties", True)
+        names_node = self.property_names(schema, where)
+        pattern = self.key_pattern(schema, where)
         names = list(properties)
         for name in required:
             if name not in properties:
@@ -271,14 +282,39 @@ class _Compiler:
                     raise ValueError(f"{where}.required: {name!r} is required but additionalProperties is false "
                                      "and it is not among the properties")
                 names.append(name)
+        if names_node is not None:  # a listed key is a name too: an optional one it does not admit is not written
+            for name in [n for n in names if not self.names_admit(names_node, n)]:
+                if name in required:
+                    raise ValueError(f"{where}.propertyNames: the required property {name!r} is not a name it admits")
+                names.remove(name)
+        if pattern is not None and names:
+            matching = next((n for n in names if pattern[1].matches(n)), None)
+            if matching is not None:
+                raise ValueError(f"{where}.patternProperties: the property {matching!r} also matches {pattern[0]!r} "
+                                 "(a value under both schemas is not supported)")
         low, high = _bounds(schema, "minProperties", "maxProperties", where)
         counts = {"min_properties": low, "max_properties": high}
         index = self.add(Node("object"))
+        if not names and (properties or required):  # every listed name is one propertyNames does not admit
+            if low:
+                raise ValueError(f"{where}: minProperties {low} with no property that propertyNames admits")
+            self.program.nodes[index] = Node("object", **counts)
+            return index
         if not names:
-            value = None if extra is False else self.compile(extra, f"{where}.additionalProperties")
+            if pattern is not None:  # keys match the pattern, so their values are under its schema alone
+                if isinstance(extra, dict):
+                    self.compile(extra, f"{where}.additionalProperties")
+                value = self.compile(pattern[2], f"{where}.patternProperties.{pattern[0]}")
+                key = self.patterned_names(names_node, pattern, where)
+            else:
+                value = None if extra is False else self.compile(extra, f"{where}.additionalProperties")
+                key = names_node
             if value is None and low:
                 raise ValueError(f"{where}: minProperties {low} with additionalProperties false and no properties")
-            key = self.add(Node("string")) if low or high is not None else None
+            if key is None and (low or high is not None):
+                key = self.add(Node("string"))
+            if key is not None:
+                self.keyed_objects.append((index, where))
             self.program.nodes[index] = Node("object", extra=value, key_node=key, **counts)
             return index
         if low > len(names):
@@ -288,12 +324,81 @@ class _Compiler:
             raise ValueError(f"{where}: maxProperties {high} is below its {len(set(required))} required properties")
         if isinstance(extra, dict):  # never written beside properties, but a malformed one is still refused
             self.compile(extra, f"{where}.additionalProperties")
+        if pattern is not None:  # never applies to the listed keys (checked above), but is still compiled
+            self.compile(pattern[2], f"{where}.patternProperties.{pattern[0]}")
         values = tuple(self.compile(properties[n], f"{where}.properties.{n}") if n in properties
                        else self.compile(extra, f"{where}.additionalProperties") for n in names)
         self.program.nodes[index] = Node(
             "object", keys=tuple(json.dumps(n, ensure_ascii=False) for n in names), values=values,
             required=tuple(n in required for n in names), **counts)
         return index
+
+    def property_names(self, schema: dict, where: str) -> int | None:
+        """The node of the names `propertyNames` admits: its alternatives that a name (a string) can be,
+        under an any_of (none: no name); None when it admits every name."""
+        rule = schema.get("propertyNames", True)
+        if rule is True or rule == {}:
+            return None
+        if rule is False:
+            return self.add(Node("any_of"))
+        compiled = self.compile(rule, f"{where}.propertyNames")
+        options = []
+        for leaf in item_leaves(self.program.nodes, compiled):
+            node = self.program.nodes[leaf]
+            if node.kind == "string":
+                options.append(leaf)
+            elif node.kind == "literal":
+                texts = tuple(t for t in node.texts if t.startswith('"'))
+                if texts:
+                    options.append(self.add(Node("literal", texts=texts)))
+        if not options:
+            raise ValueError(f"{where}.propertyNames: admits no string, and property names are strings")
+        return self.add(Node("any_of", options=tuple(options)))
+
+    def key_pattern(self, schema: dict, where: str) -> tuple[str, Nfa, object] | None:
+        """`patternProperties`' one pattern: (its text, its NFA, its values' schema), or None."""
+        patterns = schema.get("patternProperties") or {}
+        if len(patterns) > 1:
+            raise ValueError(f"{where}.patternProperties: one pattern at most is supported, not {len(patterns)}")
+        for text, values in patterns.items():
+            return text, compile_pattern(text, f"{where}.patternProperties"), values
+        return None
+
+    def names_admit(self, names_node: int, name: str) -> bool:
+        """`name` is one of the names node `names_node` (see property_names) admits."""
+        text = json.dumps(name, ensure_ascii=False, separators=(",", ":"))
+        for leaf in item_leaves(self.program.nodes, names_node):
+            node = self.program.nodes[leaf]
+            if node.kind == "literal" and text in node.texts:
+                return True
+            if (node.kind == "string" and node.min_length <= len(name)
+                    and (node.max_length is None or len(name) <= node.max_length)
+                    and (node.pattern is None or node.pattern.matches(name))):
+                return True
+        return False
+
+    def patterned_names(self, names_node: int | None, pattern: tuple[str, Nfa, object], where: str) -> int:
+        """The node of the names that match the pattern and that `propertyNames` admits as well."""
+        text, nfa, _ = pattern
+        if names_node is None:
+            if not nfa.can_finish(nfa.initial(), 0, 0, None):
+                raise ValueError(f"{where}.patternProperties: no name matches {text!r}")
+            return self.add(Node("string", pattern=nfa))
+        options = []
+        for leaf in item_leaves(self.program.nodes, names_node):
+            node = self.program.nodes[leaf]
+            if node.kind == "literal":
+                texts = tuple(t for t in node.texts if nfa.matches(json.loads(t)))
+                if texts:
+                    options.append(self.add(Node("literal", texts=texts)))
+            elif node.pattern is not None:
+                raise ValueError(f"{where}: a propertyNames pattern or format beside patternProperties is not supported")
+            elif nfa.can_finish(nfa.initial(), 0, node.min_length, node.max_length):
+                options.append(self.add(Node("string", min_length=node.min_length, max_length=node.max_length,
+                                             pattern=nfa)))
+        if not options:
+            raise ValueError(f"{where}: no name that propertyNames admits matches patternProperties' {text!r}")
+        return self.add(Node("any_of", options=tuple(options)))
 
 
 _DAY = "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))"
@@ -340,9 +445,10 @@ _SHAPES = {  # keyword -> (what its value must be, the test); a keyword a node o
     **{w: ("a number", lambda v: _is_number(v) or isinstance(v, bool)) for w in ("exclusiveMinimum", "exclusiveMaximum")},
     "type": ("a type name or a list of them", lambda v: isinstance(v, (str, list))),
     "properties": ("an object of schemas", lambda v: isinstance(v, dict)),
+    "patternProperties": ("an object of schemas", lambda v: isinstance(v, dict)),
     "required": ("a list of property names", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v)),
     **{w: ("a schema (an object or a boolean)", lambda v: isinstance(v, (dict, bool)))
-       for w in ("additionalProperties", "items")},
+       for w in ("additionalProperties", "items", "propertyNames")},
     **{w: ("a string", lambda v: isinstance(v, str)) for w in ("pattern", "format", "$ref")},
     "uniqueItems": ("true or false", lambda v: isinstance(v, bool)),
     **{w: ("an object of named schemas", lambda v: isinstance(v, dict) and all(isinstance(d, (dict, bool))
@@ -404,6 +510,8 @@ def compile_schema(schema) -> Program:
     program.root = compiler.compile(schema, "schema")
     for index, where in compiler.unique_arrays:
         check_unique_items(program.nodes, index, where)
+    for index, where in compiler.keyed_objects:
+        check_distinct_keys(program.nodes, index, where)
     program.measure()
     if program.depth[program.root] == math.inf:
         raise ValueError("schema: admits no finite value (a required property or item that contains itself "

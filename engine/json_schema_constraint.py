@@ -41,6 +41,9 @@ class SchemaGrammar(CharGrammar):
         # a unique array's item nodes (engine.unique_items), by the array's node
         self.unique_leaves = {i: item_leaves(self.nodes, node.items) for i, node in enumerate(self.nodes)
                               if node.kind == "array" and node.unique and node.items is not None}
+        # the leaves of the names an object's kept free keys may be, by the object's node
+        self.key_leaves = {i: item_leaves(self.nodes, node.key_node) for i, node in enumerate(self.nodes)
+                           if node.kind == "object" and node.key_node is not None}
         self.start = frozenset((frames, 0) for frames in self._pushes((), program.root))
         if not self.start:
             raise ValueError(f"schema: its values need more than {max_depth} nested containers")
@@ -307,7 +310,9 @@ class SchemaGrammar(CharGrammar):
                 return []
             if count is None:
                 return [(below + (("o", index, "colon", -1, ""), ("s", None, 0, 0)), 0)]
-            return [(below + (("o", index, "colon", -1, "", *tail), ("p", node.key_node, 0, "", None, "")), 0)]
+            # a kept key: a string or a literal name, taken only while it can end as one not written yet
+            return [step for frames in self._pushes(below + (("o", index, "colon", -1, "", *tail),), node.key_node)
+                    for step in self._step(frames, 0, ch)]
         if phase in ("first", "after") and ch == "}":
             enough = count is None or count >= node.min_properties
             return self._done(below) if node.may_close(first) and enough else []
@@ -315,7 +320,8 @@ class SchemaGrammar(CharGrammar):
             if node.keys:
                 more = any(self._may_write(node, j, tail, inside) for j in node.key_choices(first))
             else:
-                more = node.extra is not None and self.fits(node.extra, inside) and room
+                more = (node.extra is not None and self.fits(node.extra, inside) and room
+                        and (not tail or fresh_item_exists(self.nodes, self.key_leaves[index], tail[0])))
             return [(below + (("o", index, "key", first, "", *tail),), 0)] if more else []
         if phase == "colon" and ch == ":":
             value, after = (node.extra, 0) if first < 0 else (node.values[first], first + 1)

@@ -107,6 +107,15 @@ class Nfa:
                 [nxt for position in state for cls, nxt in self.moves[position] if ch in cls])
         return after
 
+    def matches(self, text: str) -> bool:
+        """The pattern matches the whole of `text` read from the start (searched where it is not anchored)."""
+        state = self.initial()
+        for ch in text:
+            state = self.step(state, ch)
+            if not state:
+                return False
+        return self.accepts(state)
+
     def accepts(self, state: frozenset) -> bool:
         return self.accept in state
 

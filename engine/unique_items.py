@@ -1,7 +1,8 @@
 """`uniqueItems` for the schema grammar (pydantic writes it for `set[...]` fields): an array whose items
 are scalars (strings, under a pattern or format too, numbers, booleans, null, enum and const values) keeps
 the values it has so far, and an item is taken only while it can still end as a value not among them,
-so no answer reaches a dead end and none repeats a value.
+so no answer reaches a dead end and none repeats a value. The same holds for an object's free keys
+where they are kept (engine.json_schema: counted, or under propertyNames or patternProperties).
 
 Values compare as JSON Schema compares them: 1 and 1.0 are one value, true and 1 are two, a string by
 the text it decodes to. Items that are objects or arrays are refused (a ValueError naming the array):
@@ -77,6 +78,15 @@ def check_unique_items(nodes, index: int, where: str) -> None:
     if array.min_items and not _distinct_at_least(nodes, leaves, array.min_items):
         raise ValueError(f"{where}: its items take fewer than minItems {array.min_items} distinct values, "
                          "and uniqueItems is true")
+
+
+def check_distinct_keys(nodes, index: int, where: str) -> None:
+    """ValueError when an object whose free keys are kept (each written once) cannot have minProperties of
+    them: fewer distinct names than that follow its propertyNames or pattern."""
+    node = nodes[index]
+    if node.min_properties and not _distinct_at_least(nodes, item_leaves(nodes, node.key_node), node.min_properties):
+        raise ValueError(f"{where}: its property names take fewer than minProperties {node.min_properties} distinct "
+                         "values")
 
 
 def _distinct_at_least(nodes, leaves: list[int], needed: int) -> bool:

@@ -32,7 +32,7 @@ def test_the_summary_counts_finishes_tokens_and_valid_answers():
 
 def test_every_question_asks_for_json_and_carries_a_schema_that_is_itself_valid():
     rows = load_jsonl("formats.jsonl")
-    assert len(rows) == 22
+    assert len(rows) == 24
     for row in rows:
         assert "JSON" in row["question"]  # OpenAI's JSON mode wants the word in the messages
         jsonschema.Draft202012Validator.check_schema(row["schema"])
@@ -57,10 +57,11 @@ def test_formats_are_checked_when_answers_are_judged():
 
 def test_every_refinement_fits_the_type_of_the_property_it_refines():
     rows = [row for row in load_jsonl("formats.jsonl") if "refine" in row]
-    assert len(rows) == 21
+    assert len(rows) == 23
     for row in rows:
         for name, keywords in row["refine"].items():
             kind = row["schema"]["properties"][name]["type"]
-            allowed = {"integer": {"minimum", "maximum"}, "number": {"minimum", "maximum"}, "array": {"uniqueItems"}}
+            allowed = {"integer": {"minimum", "maximum"}, "number": {"minimum", "maximum"}, "array": {"uniqueItems"},
+                       "object": {"propertyNames", "patternProperties", "minProperties", "maxProperties"}}
             assert set(keywords) <= allowed.get(kind, {"format", "pattern"})
         jsonschema.Draft202012Validator.check_schema(refined_schema(row))

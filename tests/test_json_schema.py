@@ -111,8 +111,25 @@ COUNTED = {  # minProperties / maxProperties (pydantic's dict fields with min_le
     },
     "required": ["scores", "some"],
 }
+KEYED = {  # free keys under a rule, as pydantic writes dict[Enum, X], dict[Literal[...], X], dict[constr(...), X]
+    "$defs": {"Color": {"enum": ["red", "green"], "type": "string"}},
+    "type": "object",
+    "properties": {
+        "by_color": {"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"$ref": "#/$defs/Color"}},
+        "weights": {"type": "object", "additionalProperties": {"type": "number"}, "propertyNames": {"enum": ["p", "q"]},
+                    "minProperties": 1},
+        "codes": {"type": "object", "patternProperties": {"^[a-c]+$": {"type": "integer"}},
+                  "propertyNames": {"maxLength": 2}},
+        "short": {"type": "object", "propertyNames": {"maxLength": 1}, "maxProperties": 2},
+        "days": {"type": "object", "additionalProperties": {"type": "boolean"}, "propertyNames": {"format": "date"}},
+        "both": {"type": "object", "patternProperties": {"x": {"type": "null"}}, "propertyNames": {"enum": ["ax", "b", "x"]}},
+        "listed": {"type": "object", "properties": {"a": {"type": "integer"}, "bad": {"type": "integer"}},
+                   "propertyNames": {"maxLength": 1}, "patternProperties": {"^z": {"type": "string"}}},
+    },
+    "required": ["by_color", "weights", "codes"],
+}
 SCHEMAS = {"person": PERSON, "tree": TREE, "pet": PET, "list": LIST, "free": FREE, "chain": CHAIN, "bounded": BOUNDED,
-           "patterned": PATTERNED, "unique": UNIQUE, "counted": COUNTED}
+           "patterned": PATTERNED, "unique": UNIQUE, "counted": COUNTED, "keyed": KEYED}
 FORMATS_CHECKED = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
 
@@ -198,6 +215,21 @@ def _grammar(schema) -> SchemaGrammar:
     (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"marks":["a","b","a"]}', False),
     (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"days":["2024-01-01","2024-01-02"]}', True),
     (UNIQUE, '{"tags":[],"colors":["red","blue"],"small":[],"days":["2024-01-01","2024-01-01"]}', False),
+    (KEYED, '{"by_color":{"red":1,"green":2},"weights":{"q":0.5},"codes":{"ab":1,"c":2}}', True),
+    (KEYED, '{"by_color":{},"weights":{"p":1,"q":2},"codes":{},"short":{"a":1,"b":[]},"days":{"2024-02-28":true},'
+            '"both":{"ax":null,"x":null},"listed":{"a":1}}', True),
+    (KEYED, '{"by_color":{"blue":1},"weights":{"q":0.5},"codes":{}}', False),  # not a Color
+    (KEYED, '{"by_color":{},"weights":{},"codes":{}}', False),  # minProperties
+    (KEYED, '{"by_color":{},"weights":{"r":1},"codes":{}}', False),
+    (KEYED, '{"by_color":{},"weights":{"p":1},"codes":{"abc":1}}', False),  # propertyNames' maxLength
+    (KEYED, '{"by_color":{},"weights":{"p":1},"codes":{"ab":"x"}}', False),  # the pattern's schema
+    (KEYED, '{"by_color":{},"weights":{"p":1},"codes":{},"short":{"ab":1}}', False),
+    (KEYED, '{"by_color":{},"weights":{"p":1},"codes":{},"short":{"a":1,"b":2,"c":3}}', False),  # maxProperties
+    (KEYED, '{"by_color":{},"weights":{"p":1},"codes":{},"days":{"2024-02-30":true}}', False),
+    (KEYED, '{"by_color":{},"weights":{"p":1},"codes":{},"both":{"ax":1}}', False),  # the pattern's schema
+    (KEYED, '{"by_color":{},"weights":{"p":1},"codes":{},"listed":{"a":1,"bad":2}}', False),  # a name too long
+    ({"type": "object", "properties": {"a": {"minProperties": 1}}, "required": ["a"]}, '{"a":{"b":0}}', True),
+    ({"type": "object", "properties": {"a": {"minProperties": 1}}, "required": ["a"]}, '{"a":{}}', False),
 ])
 def test_the_grammar_agrees_with_the_reference_validator(schema, text, valid):
     assert _grammar(schema).accepts(text) is valid
@@ -357,6 +389,21 @@ def _completed_walks(grammar, alphabet, rng, walks: int, most: int, closers: str
     ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"maxLength": 2}]}}}, "allOf"),
     ({"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
       "$ref": "#/$defs/n"}, "no finite value"),
+    ({"type": "object", "patternProperties": {"^a": {}, "^b": {}}}, "patternProperties: one pattern at most"),
+    ({"type": "object", "patternProperties": {"^a": {}}, "propertyNames": {"pattern": "b"}}, "propertyNames pattern"),
+    ({"type": "object", "patternProperties": {"(?=a)": {}}}, "patternProperties: a lookaround"),
+    ({"type": "object", "patternProperties": {"^a$": {}}, "propertyNames": {"enum": ["b"]}}, "no name that"),
+    ({"type": "object", "patternProperties": {"^a": {"type": "text"}}}, "patternProperties.\\^a.type"),
+    ({"type": "object", "patternProperties": []}, "patternProperties: an object of schemas"),
+    ({"type": "object", "properties": {"ab": {}}, "patternProperties": {"b": {}}}, "'ab' also matches 'b'"),
+    ({"type": "object", "propertyNames": {"type": "integer"}}, "propertyNames: admits no string"),
+    ({"type": "object", "propertyNames": 3}, "propertyNames: a schema"),
+    ({"type": "object", "properties": {"abc": {}}, "required": ["abc"], "propertyNames": {"maxLength": 2}},
+     "the required property 'abc'"),
+    ({"type": "object", "propertyNames": {"enum": ["a", "b"]}, "minProperties": 3}, "fewer than minProperties 3"),
+    ({"type": "object", "propertyNames": False, "minProperties": 1}, "fewer than minProperties 1"),
+    ({"type": "object", "properties": {"ab": {}}, "propertyNames": {"maxLength": 1}, "minProperties": 1},
+     "no property that propertyNames admits"),
 ])
 def test_what_the_grammar_cannot_honour_is_refused_naming_it(schema, keyword):
     with pytest.raises(ValueError, match=keyword):
@@ -434,6 +481,21 @@ def test_a_unique_array_never_offers_a_token_that_would_repeat_an_item(json_toke
     assert "]" in allowed and "," not in allowed  # no third value is left to write
 
 
+def test_free_keys_under_a_rule_are_never_written_twice_and_run_out():
+    """Kept keys: an enum's names are written once each, and once both are there no comma is offered (no
+    dead end); a pattern's keys likewise, so "a" cannot come again but "b" can."""
+    grammar = _grammar({"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"enum": ["p", "q"]}})
+    assert grammar.run(grammar.start, '{"p":1,"p') is None
+    assert grammar.run(grammar.start, '{"p":1,"q') is not None
+    assert grammar.run(grammar.start, '{"p":1,"q":2,') is None and grammar.accepts('{"p":1,"q":2}')
+    patterned = _grammar({"type": "object", "patternProperties": {"^[ab]$": {"type": "integer"}}})
+    assert patterned.run(patterned.start, '{"a":1,"a') is None
+    assert patterned.accepts('{"a":1,"b":2}') and patterned.run(patterned.start, '{"a":1,"b":2,') is None
+    assert not patterned.accepts('{"c":1}')  # a key that would fall to additionalProperties is not written
+    none = _grammar({"type": "object", "propertyNames": False})
+    assert none.accepts("{}") and none.run(none.start, '{"') is None
+
+
 def test_a_key_the_tokenizer_cannot_spell_is_refused(json_tokenizer):  # noqa: F811
     schema = {"type": "object", "properties": {"\u00fc\u00f1": {"type": "integer"}}}  # neither is a piece
     with pytest.raises(ValueError, match="cannot spell"):
@@ -498,10 +560,10 @@ def test_structured_outputs_on_the_api(json_engine):  # noqa: F811
     for answer in finished:
         jsonschema.validate(answer, SMALL)
     assert both.value.param == "guided_json" and spelling.value.param == "guided_json"
-    with pytest.raises(ValueError, match="'patternProperties' is not supported"):
+    with pytest.raises(ValueError, match="'dependentRequired' is not supported"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {
-                "type": "object", "properties": {"a": {"type": "object", "patternProperties": {"^x": {}}}}}}})
+                "type": "object", "properties": {"a": {"type": "object", "dependentRequired": {"x": ["y"]}}}}}})
 
 
 def _parses(text: str) -> bool:
@@ -558,6 +620,8 @@ def test_answers_to_a_pydantic_models_schema_validate_as_that_model():
         perks: set[Literal["breakfast", "parking", "wifi"]]
         notes: frozenset[Annotated[str, Field(max_length=3)]]
         extras: Annotated[dict[str, int], Field(min_length=1, max_length=2)]
+        rates: dict[Literal["low", "high"], float]
+        codes: dict[Annotated[str, Field(pattern=r"^[A-D]{1,2}$", max_length=2)], int]
 
     schema = Booking.model_json_schema()
     grammar = _grammar(schema)

@@ -23,15 +23,6 @@ PATTERNS = [r"^\d{4}-\d{2}-\d{2}$", r"^[a-z]+@[a-z]+\.(com|org)$", r"ab*c", r"^(
 ALPHABET = "abcdxyz0129-.@ \\ABrlmoguw{}\t"
 
 
-def _matches(nfa, text: str) -> bool:
-    state = nfa.initial()
-    for ch in text:
-        state = nfa.step(state, ch)
-        if not state:
-            return False
-    return nfa.accepts(state)
-
-
 def _walk(nfa, rng: random.Random, alphabet: str, most: int = 30) -> str | None:
     """A random text the NFA accepts, a character at a time among those it takes (None: gave up)."""
     state, text = nfa.initial(), ""
@@ -51,7 +42,7 @@ def test_a_pattern_matches_what_python_finds_it_in(pattern):
     nfa, rng = compile_pattern(pattern), random.Random(4)
     for _ in range(1500):
         text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 8)))
-        assert _matches(nfa, text) == bool(re.search(pattern, text)), text
+        assert nfa.matches(text) == bool(re.search(pattern, text)), text
     walked = [t for t in (_walk(nfa, rng, ALPHABET) for _ in range(200)) if t is not None]
     assert walked or not pattern.startswith("^")  # a walk seldom spells an unanchored pattern's match by chance
     assert all(re.search(pattern, t) for t in walked)
@@ -137,9 +128,9 @@ def test_every_value_a_format_admits_is_valid(name):
 def test_a_format_admits_its_written_forms_and_nothing_invalid(name, admitted, refused):
     nfa = compile_pattern(FORMATS[name])
     for text in admitted:
-        assert _matches(nfa, text) and _valid_format(name, text), text
+        assert nfa.matches(text) and _valid_format(name, text), text
     for text in refused:
-        assert not _matches(nfa, text), text
+        assert not nfa.matches(text), text
 
 
 ODD_CHARACTERS = ["a", "_", "é", "\u0663", "5", " ", "\x1c", "\ufeff", "\u2028", "\n", "\u00a0", "\u0085", "-"]
@@ -157,13 +148,13 @@ def test_a_class_escape_admits_only_what_both_ecma_and_python_read_in_it(escape)
                             (f"^[^\\{escape}]$", False)):
         nfa = compile_pattern(pattern)
         for ch in ODD_CHARACTERS:
-            if _matches(nfa, ch):
+            if nfa.matches(ch):
                 assert re.search(pattern, ch) and ECMA[escape](ch) == inside, (pattern, ch)
 
 
 def test_a_repeat_of_none_is_the_empty_string():
-    assert _matches(compile_pattern("^a{0}b$"), "b") and not _matches(compile_pattern("^a{0}b$"), "ab")
-    assert _matches(compile_pattern("^(ab){0,0}c$"), "c")
+    assert compile_pattern("^a{0}b$").matches("b") and not compile_pattern("^a{0}b$").matches("ab")
+    assert compile_pattern("^(ab){0,0}c$").matches("c")
 
 
 @pytest.mark.parametrize("pattern, refused", [
