@@ -12,6 +12,7 @@ SCENARIOS = {
     "engine": "bench.engine_bench",
     "formats": "bench.formats_bench",
     "plato": "bench.plato_bench",
+    "prediction": "bench.prediction_bench",
     "judge": "bench.judge",
     "priority": "bench.priority_bench",
     "routing": "bench.routing_bench",

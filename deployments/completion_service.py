@@ -22,6 +22,7 @@ from deployments.openai_schema import (
     ChatMessage,
     Choice,
     CompletionRequest,
+    CompletionTokensDetails,
     DetokenizeRequest,
     OpenAIRequest,
     PromptTokensDetails,
@@ -50,15 +51,18 @@ def _finish(result: Result) -> str:
     return "length" if result.finish_reason in (FinishReason.LENGTH, FinishReason.CUT) else "stop"
 
 
-def _usage(results: list[Result], n: int) -> Usage:
+def _usage(results: list[Result], n: int, predicted: bool = False) -> Usage:
     """OpenAI's usage for n choices of each prompt (results in choice order): each prompt counted
-    once, every choice's answer."""
+    once, every choice's answer; with a prediction (`predicted`), how much of it they took."""
     prompt = sum(r.prompt_tokens for r in results[::n])
     completion = sum(r.completion_tokens for r in results)
     # a resumed attempt's hits may run into the answer it resumes: only the prompt's are the user's
     cached = sum(min(r.prefix_hit_tokens, r.prompt_tokens) for r in results[::n])
+    details = CompletionTokensDetails(
+        accepted_prediction_tokens=sum(r.accepted_prediction_tokens for r in results),
+        rejected_prediction_tokens=sum(r.rejected_prediction_tokens for r in results)) if predicted else None
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), completion_tokens_details=details)
 
 
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
@@ -214,7 +218,18 @@ class CompletionService:
             raise RequestError("logit_bias", f"token ids {beyond[:5]} are not in the model's vocabulary of "
                                f"{self.vocabulary}")
         prompts, param = await self._encode(request)
-        return [self._engine_request(request, prompt_ids, param) for prompt_ids in prompts]
+        prediction = await self._prediction_ids(request)
+        return [self._engine_request(request, prompt_ids, param, prediction) for prompt_ids in prompts]
+
+    async def _prediction_ids(self, request: OpenAIRequest) -> list[int]:
+        """The token ids of a chat request's prediction (none without one)."""
+        prediction = getattr(request, "prediction", None)
+        if prediction is None or not prediction.text:
+            return []
+        ids = await self.engine.call(lambda engine: engine.encode(prediction.text))
+        if len(ids) >= self.max_model_len:
+            raise RequestError("prediction", f"it has {len(ids)} tokens; the model's context is {self.max_model_len}")
+        return ids
 
     async def _check_format(self, request: OpenAIRequest) -> None:
         """One format at most. JSON needs a tokenizer that can write JSON's every character alone, and
@@ -243,7 +258,8 @@ class CompletionService:
             except ValueError as error:
                 raise RequestError(field, str(error)) from None
 
-    def _engine_request(self, request: OpenAIRequest, prompt_ids: list[int], param: str) -> GenerationRequest:
+    def _engine_request(self, request: OpenAIRequest, prompt_ids: list[int], param: str,
+                        prediction: list[int] = ()) -> GenerationRequest:
         limit = self.limits.max_prompt_tokens
         if limit is not None and len(prompt_ids) > limit:
             raise RequestError(param, f"the prompt has {len(prompt_ids)} tokens; this server accepts at most {limit}")
@@ -291,6 +307,7 @@ class CompletionService:
             prompt_logprobs=request.prompt_logprobs_asked,
             constraint=constraint,
             constraint_arg=constraint_arg,
+            prediction=list(prediction),
         )
         # the engine's and the batcher's priority is the other way round: higher goes first
         return GenerationRequest(prompt_ids=prompt_ids, params=params, priority=-request.priority)
@@ -402,6 +419,9 @@ class CompletionService:
                 and request.stream and request.logprobs):
             raise RequestError("logprobs", "a streamed answer of tool calls sends the calls as argument deltas, "
                                "without token log probabilities; ask for them without stream")
+        if getattr(request, "prediction", None) is not None and self._planned(request):
+            raise RequestError("prediction", f"a planned answer (mode '{request.mode}') is assembled from parts "
+                               "decoded apart; send a prediction with mode 'ar'")
         if request.logprobs_asked is not None and self._planned(request):
             raise RequestError("logprobs", f"a planned answer (mode '{request.mode}') has no token log probabilities; "
                                "ask for them with mode 'ar'")
@@ -448,12 +468,13 @@ class CompletionService:
             echoes = await self._echoes(request, engine_requests)
             text_choices = [text_choice(i, r, echoes[i // request.n], _finish(r)) for i, r in enumerate(results)]
             return TextCompletion(model=self.model_name, choices=text_choices, usage=_usage(results, request.n))
+        predicted = request.prediction is not None
         messages = [_message(request, r) for r in results]
         choices = [Choice(index=i, message=m, finish_reason=_chat_finish(request, r, m),
                           logprobs=chat_logprobs(r.logprobs) if r.logprobs is not None else None)
                    for i, (r, m) in enumerate(zip(results, messages))]
-        return ChatCompletionResponse(model=self.model_name, choices=choices, usage=_usage(results, request.n),
-                                      mode=PLAIN_MODE)
+        return ChatCompletionResponse(model=self.model_name, choices=choices,
+                                      usage=_usage(results, request.n, predicted), mode=PLAIN_MODE)
 
     async def _echoes(self, request: CompletionRequest, engine_requests: list[GenerationRequest]) -> list[Echo | None]:
         """Per prompt, what its choices echo (None each without `echo`)."""
@@ -539,7 +560,8 @@ class CompletionService:
         self._observe_plain(request, started)
         if request.include_usage:
             ordered = [results[i] for i in range(len(choices))]
-            yield chunk.model_copy(update={"choices": [], "usage": _usage(ordered, request.n)}).model_dump()
+            predicted = getattr(request, "prediction", None) is not None
+            yield chunk.model_copy(update={"choices": [], "usage": _usage(ordered, request.n, predicted)}).model_dump()
 
     async def _events(self, requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, TokenEvent | Result]]:
         """(choice index, token event or result) of every request, as each comes; one request's

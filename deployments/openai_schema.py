@@ -8,7 +8,7 @@ import uuid
 from functools import cached_property
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from deployments.tool_calls import NamedToolChoice, ToolSpec, call_schema, calls_schema
 from engine.choice_constraint import MAX_CHOICES
@@ -22,6 +22,17 @@ MAX_STOPS = 16  # above OpenAI's 4: lm-evaluation-harness sends a task's stop se
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's predicted outputs: text the answer is expected to repeat mostly (a file being edited)."""
+
+    type: Literal["content"] = Field(description="The one kind OpenAI has: the predicted content.")
+    content: str | list[TextPart] = Field(description="The predicted text, or its parts.")
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 def _not_blank(text: str) -> str:
@@ -263,6 +274,10 @@ class ChatCompletionRequest(_RequestFields):
     logprobs: bool | None = Field(None, description="Return each answer token's log probability (plain answers).")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="With logprobs: also the this-many most "
                                      "likely tokens at each place.")
+    prediction: Prediction | None = Field(
+        None, description="OpenAI's predicted outputs: text the answer is expected to repeat mostly. Its tokens are "
+        "checked as drafts (engine.drafts.PredictionDrafts) and kept where the model would have written them: the "
+        "answer is the same, sooner; the usage counts the accepted and rejected ones. Plain answers only.")
     tools: list[ToolSpec] | None = Field(None, description="Functions the model may call (deployments.tool_calls).")
     parallel_tool_calls: bool = Field(True, description="With 'required' or 'auto': false allows one call only.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
@@ -457,12 +472,27 @@ class PromptTokensDetails(BaseModel):
                                "conversation's earlier turns, a shared system message) instead of being computed.")
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = Field(description="Tokens of the prediction that the answers wrote, as drafted.")
+    rejected_prediction_tokens: int = Field(description="Tokens of the prediction checked as drafts and not written "
+                                            "(each check counted): work spent on the prediction to no gain.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = Field(
         None, description="As OpenAI's; for plain answers (a planned answer's prompts are its nodes').")
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="With a prediction: how much of it the answers took (left out without one).")
+
+    @model_serializer(mode="wrap")
+    def _without_absent_details(self, handler):
+        data = handler(self)
+        if data.get("completion_tokens_details") is None:
+            data.pop("completion_tokens_details", None)
+        return data
 
 
 class AssistantMessage(BaseModel):

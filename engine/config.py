@@ -69,6 +69,11 @@ class EngineConfig(BaseModel):
         f"(the answer is the same), saving a step each. 0: off. Default: {DEFAULT_SPECULATIVE_TOKENS}, or 0 where "
         "decode steps replay CUDA graphs (a pass with drafts runs eagerly, several times slower there than the graph "
         "it replaces).")
+    prediction_tokens: int = Field(
+        16, ge=2, le=64, description="Most tokens of a request's prediction (OpenAI's predicted outputs, "
+        "`SamplingParams.prediction`) checked in one step. A request starts at half this, doubles while its answer "
+        "follows the prediction and falls back to what was kept (2 at least) when it strays. Those drafts are made "
+        "at any batch size and on CUDA graphs too: the caller expects the answer to repeat the prediction.")
     speculative_max_batch: int = Field(
         4, ge=1, description="Draft only while at most this many sequences decode: checking drafts adds rows to "
         "the pass, nearly free where a step is bound by reading the weights (a small batch), not for a large one.")

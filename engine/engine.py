@@ -16,7 +16,7 @@ from engine.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
 from engine.constraints import TokenConstraint, make_constraint
 from engine.copies import CopyGuard
 from engine.detokenize import IncrementalDetokenizer
-from engine.drafts import lookup_draft
+from engine.drafts import PredictionDrafts, lookup_draft
 from engine.loops import LoopDetector
 from engine.llama import LlamaRunner, LogitRows, PrefillItem
 from engine.prefix_cache import PrefixCache, PrefixEntry, PrefixHandle, common_length
@@ -59,6 +59,11 @@ class _Sequence:
     preemptions: int = 0  # times a higher priority took its slot (it waited, then went on where it was)
     stop_logprob: TokenLogprob | None = None  # with logprobs: the stop token's that ended the answer
     error: str | None = None  # with FinishReason.ERROR: the fault that ended it
+    predicted: PredictionDrafts | None = None  # with params.prediction: drafts from it
+    prediction_span: int = 0  # how many prediction tokens to draft next (0: not drafted yet), see _verify_drafts
+    prediction_drafted: int = 0  # this step's draft is that many tokens of the prediction (0: none, or a lookup's)
+    prediction_checked: int = 0  # prediction tokens drafted and checked, and those of them kept
+    prediction_kept: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -139,6 +144,9 @@ class LLMEngine(Engine):
             )
         if len(request.resume_ids) >= request.params.max_tokens:
             raise ValueError("resume_ids: already as long as max_tokens; nothing left to generate")
+        prediction, vocabulary = request.params.prediction, self.runner.embed.shape[0]
+        if prediction and not 0 <= min(prediction) <= max(prediction) < vocabulary:
+            raise ValueError(f"params.prediction: token ids are from 0 to {vocabulary - 1} in this model")
         name = request.params.constraint
         constraint = (make_constraint(name, self.tokenizer, request.resume_ids, request.params.constraint_arg)
                       if name is not None else None)
@@ -153,6 +161,7 @@ class LLMEngine(Engine):
             copies=CopyGuard.for_texts(request.params.no_copy, self.tokenizer, request.params.no_copy_tokens)
             if request.params.no_copy else None,
             logprobs=list(request.resume_logprobs) if request.params.logprobs is not None else None,
+            predicted=PredictionDrafts(request.params.prediction) if request.params.prediction else None,
         )
         if sequence.loops is not None:  # a resumed answer stops exactly where an uninterrupted one would
             looped = False
@@ -248,19 +257,28 @@ class LLMEngine(Engine):
             self._settle_admission(admission, logits[offset:])
 
     def _drafts(self, batch: list[_Sequence]) -> dict[int, list[int]]:
-        """Prompt-lookup drafts to check in this step, while the batch is small enough to spare the rows."""
-        most = self.speculative_tokens
-        if not most or len(batch) > self.config.speculative_max_batch:
-            return {}
+        """Drafts to check in this step: from a request's prediction, which its caller asked for, at any batch
+        size (its span adapting, see _verify_drafts); where it has none, prompt-lookup ones, while the batch is
+        small enough to spare the rows."""
+        lookup = self.speculative_tokens if len(batch) <= self.config.speculative_max_batch else 0
         drafts = {}
         for s in batch:
+            if not lookup and s.predicted is None:
+                continue
             params = s.request.params
             allowed = min(params.max_tokens, params.length_cap or params.max_tokens) - len(s.generated)
             # each kept draft token's row gives one more token; none past the budget or the cache
-            room = min(most, allowed - 1, self.max_model_len - s.num_tokens)
+            room = min(allowed - 1, self.max_model_len - s.num_tokens)
             draft = None
             with self._isolated(s):
-                draft = lookup_draft(s.tokens, room, self.config.speculative_ngram, self.config.speculative_min_ngram)
+                if s.predicted is not None:
+                    s.prediction_span = s.prediction_span or max(2, self.config.prediction_tokens // 2)
+                    draft = s.predicted.draft(s.generated, min(s.prediction_span, room))
+                    s.prediction_drafted = len(draft)
+                    s.prediction_checked += len(draft)
+                if not draft and lookup:  # nothing of the prediction fits where the answer is: its own text may
+                    draft = lookup_draft(s.tokens, min(lookup, room), self.config.speculative_ngram,
+                                         self.config.speculative_min_ngram)
             if draft:
                 drafts[id(s)] = draft
                 self._stats["draft_tokens"] += len(draft)
@@ -288,6 +306,14 @@ class LLMEngine(Engine):
         for s in drafted:
             s.cached += kept[id(s)]
             self._stats["accepted_draft_tokens"] += kept[id(s)]
+            if s.prediction_drafted:
+                # a prediction's span doubles while the answer follows it, and shrinks to what was kept when
+                # it leaves it (an edit, a paraphrase), so an answer that strays costs few rows a step
+                s.prediction_kept += kept[id(s)]
+                followed = kept[id(s)] == s.prediction_drafted
+                s.prediction_span = (min(2 * s.prediction_span, self.config.prediction_tokens) if followed
+                                     else max(2, kept[id(s)] + 1))
+                s.prediction_drafted = 0
 
     def _release_finished(self, sequences: list[_Sequence]) -> None:
         for sequence in sequences:
@@ -683,6 +709,8 @@ class LLMEngine(Engine):
             prompt_logprobs=sequence.prompt_logprobs,
             stop_logprob=sequence.stop_logprob,
             error=sequence.error,
+            accepted_prediction_tokens=sequence.prediction_kept,
+            rejected_prediction_tokens=sequence.prediction_checked - sequence.prediction_kept,
         )
 
     # ---- prefixes and stats ---------------------------------------------------------------------

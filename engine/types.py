@@ -58,6 +58,11 @@ class SamplingParams(BaseModel):
     )
     no_copy_tokens: int = Field(2, ge=1, le=64, description="How many tokens of a `no_copy` text's beginning "
                                 "the answer may copy before the next one is banned.")
+    prediction: list[int] = Field(
+        default_factory=list, max_length=65536, description="OpenAI's predicted outputs: token ids the answer is "
+        "expected to repeat mostly (a file being edited, say). Each step checks the prediction's tokens that follow "
+        "where the answer has got to in it (`engine.drafts.PredictionDrafts`) and keeps those the model would have "
+        "chosen: the answer is the same, only sooner.")
     logprobs: int | None = Field(
         None, ge=0, le=20,
         description="With a number k, every generated token carries its log probability under the model (its raw "
@@ -209,6 +214,10 @@ class Result(BaseModel):
         0, description="With `keep_kv`: how many leading tokens of prompt + answer were kept as a prefix (the "
         "last answer token has none when the answer ran to its length limit); 0 when nothing was kept.")
     error: str | None = Field(None, description="With finish_reason `error`: what went wrong (the exception).")
+    accepted_prediction_tokens: int = Field(
+        0, description="With `params.prediction`: its tokens drafted and kept (the model wrote them).")
+    rejected_prediction_tokens: int = Field(
+        0, description="With `params.prediction`: its tokens drafted, checked and not kept (each check counted).")
 
     @property
     def completion_tokens(self) -> int:

@@ -96,6 +96,7 @@ class _Entry:
     holder: Hashable | None = None  # the decoder replica holding its prompt, as last asked (holder_of)
     holder_asked_at: float | None = None
     failed_attempts: int = 0  # micro-batches of it that failed (see BatcherConfig.max_failed_attempts)
+    prediction_counts: tuple[int, int] = (0, 0)  # its cut attempts' accepted and rejected prediction tokens
 
 
 # A queued prompt's holder is asked again after this long: it changes only when a prompt sharing its
@@ -322,6 +323,11 @@ class Batcher:
             return None
         self._live.discard(entry.request.id)
         self._counts["finished"] += 1
+        accepted, rejected = entry.prediction_counts
+        if accepted or rejected:  # the usage counts the whole answer's, its cut attempts' too
+            result = result.model_copy(update={
+                "accepted_prediction_tokens": result.accepted_prediction_tokens + accepted,
+                "rejected_prediction_tokens": result.rejected_prediction_tokens + rejected})
         return result
 
     def fail(self, batch_id: str, partial: dict[str, list[int]] | None = None,
@@ -354,6 +360,9 @@ class Batcher:
 
     def _requeue_cut(self, entry: _Entry, result: Result) -> None:
         kept = list(result.token_ids)
+        accepted, rejected = entry.prediction_counts
+        entry.prediction_counts = (accepted + result.accepted_prediction_tokens,
+                                   rejected + result.rejected_prediction_tokens)
         entry.bin = self.bins.next_bin(entry.bin)
         predicted = max(self.bins.cap(entry.bin), len(kept) + 1)
         update = {"resume_ids": kept, "predicted_len": predicted}

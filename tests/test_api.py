@@ -151,6 +151,10 @@ def test_greedy_answer_is_deterministic_and_text_parts_are_accepted(client):
         ({"mode": "fast"}, "mode"),
         ({"stream": True, "temperature": 9}, "temperature"),
         ({"stream": True, "max_tokens": 65}, "max_tokens"),
+        ({"prediction": "hello"}, "prediction"),
+        ({"prediction": {"type": "text", "content": "hello"}}, "prediction.type"),
+        ({"prediction": {"type": "content"}}, "prediction.content"),
+        ({"prediction": {"type": "content", "content": " ".join(["baba"] * 200)}}, "prediction"),  # past the context
     ],
 )
 def test_bad_input_is_400_naming_the_field(client, body, param):
@@ -431,3 +435,23 @@ def test_answers_in_flight_are_counted_per_choice_and_past_the_limit_a_request_i
 
 def _chat_request(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest(messages=[{"role": "user", "content": WORDS}], **fields)
+
+
+def test_a_prediction_leaves_the_answer_as_it_was_and_the_usage_says_how_much_of_it_was_taken(client):
+    plain = _chat(client, max_tokens=20).json()
+    text = plain["choices"][0]["message"]["content"]
+    assert "completion_tokens_details" not in plain["usage"]
+    predicted = {"type": "content", "content": text}
+    body = _chat(client, max_tokens=20, prediction=predicted).json()
+    assert body["choices"] == plain["choices"]
+    details = body["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] >= 15 and details["rejected_prediction_tokens"] <= 4
+    parts = {"type": "content", "content": [{"type": "text", "text": text[:7]}, {"type": "text", "text": text[7:]}]}
+    assert _chat(client, max_tokens=20, prediction=parts).json()["usage"]["completion_tokens_details"] == details
+    chunks = events(_chat(client, max_tokens=20, prediction=predicted, stream=True,
+                          stream_options={"include_usage": True}))
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == text
+    assert chunks[-1]["usage"]["completion_tokens_details"] == details
+    wrong = _chat(client, max_tokens=20, prediction={"type": "content", "content": "baba " * 10}).json()
+    assert wrong["choices"] == plain["choices"]
+    assert wrong["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] < 15

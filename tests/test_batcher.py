@@ -235,6 +235,20 @@ def test_cut_answers_resume_one_bin_up_and_finish_with_all_tokens():
     assert stats["finished"] == 4 and b.pending() == b.in_flight() == 0
 
 
+def test_a_cut_answers_prediction_tokens_add_up_over_its_attempts():
+    b = batcher(token_budget=10**6)
+    b.submit(req("long", predicted=20), now=0)
+    counted = {}
+    for attempt in range(3):  # cut at 32, then 64, then done at 100: each attempt took 5 and dropped 1
+        batch = b.next_batch(now=0)
+        results = [r.model_copy(update={"accepted_prediction_tokens": 5, "rejected_prediction_tokens": 1})
+                   for r in fake_decode(batch.requests, {"long": 100})]
+        counted.update({r.request_id: r for r in b.report(batch.id, results)})
+    done = counted["long"]
+    assert done.token_ids == list(range(100))
+    assert (done.accepted_prediction_tokens, done.rejected_prediction_tokens) == (15, 3)
+
+
 def test_foreign_duplicate_and_late_results_are_ignored():
     b = batcher()
     b.submit(req("a", predicted=10), now=0)

@@ -1,5 +1,6 @@
 """Prompt-lookup decoding: drafts from the sequence's own text, checked in the decode pass, give
-the same answers as plain decoding in fewer steps."""
+the same answers as plain decoding in fewer steps; so do drafts from a prediction (OpenAI's predicted
+outputs), which also count their kept and rejected tokens."""
 from __future__ import annotations
 
 import random
@@ -7,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine.drafts import lookup_draft
+from engine.drafts import PredictionDrafts, lookup_draft
 from engine.llama import LlamaRunner, PrefillItem
 from engine.types import FinishReason, GenerationRequest, SamplingParams
 
@@ -178,3 +179,45 @@ def test_the_decoder_replica_reports_kept_and_dropped_draft_tokens_once(make_eng
     assert recorder.queried == 2 * len(repetitive(1)) and recorder.hit == len(repetitive(1)) - 1
     assert recorder.kept == stats["accepted_draft_tokens"] > 0
     assert recorder.dropped == stats["draft_tokens"] - stats["accepted_draft_tokens"]
+
+
+# ---- predictions (OpenAI's predicted outputs) -------------------------------------------------------
+def test_a_prediction_drafts_its_start_then_what_follows_the_answers_tail_where_the_answer_has_got_to():
+    drafts = PredictionDrafts([1, 2, 3, 4, 5, 1, 2, 9, 9])
+    assert drafts.draft([], 3) == [1, 2, 3]  # nothing written: the prediction's start
+    assert drafts.draft([1, 2], 3) == [3, 4, 5]  # [1, 2] twice in it: the occurrence nearest the answer's length
+    assert drafts.draft([4, 5, 1, 2], 3) == [9, 9]  # the longest tail found wins: [5, 1, 2] ends at 7
+    assert drafts.draft([0, 1, 2, 3], 2) == [4, 5]  # an edit ([0]) before the copy resumes
+    assert drafts.draft([3], 2) == [4, 5]  # one token written: one token is tail enough
+    assert drafts.draft([8, 9, 7], 3) == []  # no two-token tail of it is in the prediction
+    assert drafts.draft([1, 2], 0) == [] and PredictionDrafts([]).draft([], 4) == []
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_an_answer_is_the_same_with_a_prediction_and_takes_fewer_steps_when_it_repeats_it(make_engine, slots):
+    requests = [req("a", repetitive(1), max_tokens=40), req("b", ids(12, 3), max_tokens=30),
+                req("c", repetitive(2), max_tokens=25)]
+    plain, plain_stats = _generate(make_engine, requests, max_batch_size=slots)
+    # "a" predicted exactly, "b" predicted with an edit in its middle, "c" predicted as another answer
+    edited = plain[1].token_ids[:10] + [7, 7, 7] + plain[1].token_ids[13:]
+    predicted = [r.model_copy(update={"params": r.params.model_copy(update={"prediction": prediction})})
+                 for r, prediction in zip(requests, (plain[0].token_ids, edited, plain[1].token_ids))]
+    drafted, stats = _generate(make_engine, predicted, max_batch_size=slots, speculative_max_batch=1)  # any batch
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    assert [r.text for r in drafted] == [r.text for r in plain]
+    a, b, c = drafted
+    # 40 tokens: the prompt's pass chooses 1, then 3 steps choose 1 each and keep 16 + 16 + 4 drafted
+    assert a.accepted_prediction_tokens == 36 and a.rejected_prediction_tokens == 0
+    assert 20 <= b.accepted_prediction_tokens < 29 and b.rejected_prediction_tokens > 0
+    assert c.accepted_prediction_tokens == 0
+    assert stats["steps"] < plain_stats["steps"] and stats["generated_tokens"] == plain_stats["generated_tokens"]
+    assert stats["accepted_draft_tokens"] == a.accepted_prediction_tokens + b.accepted_prediction_tokens  # lookup off
+    assert [(r.accepted_prediction_tokens, r.rejected_prediction_tokens) for r in plain] == [(0, 0)] * 3
+
+
+def test_a_prediction_with_a_token_the_model_does_not_have_is_refused(make_engine):
+    engine = make_engine()
+    with pytest.raises(ValueError, match="params.prediction: token ids are from 0 to 255"):
+        engine.add(req("x", [5, 6], max_tokens=4, prediction=[5, 256]))
+    with pytest.raises(ValueError, match="params.prediction"):
+        engine.add(req("y", [5, 6], max_tokens=4, prediction=[-1]))

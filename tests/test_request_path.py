@@ -13,7 +13,7 @@ from actors.batcher import BatcherActor
 from actors.decode_client import BatcherClient, Tokenizing
 from actors.decoder import DecoderReplica
 from deployments.completion_service import ApiLimits, CompletionService
-from deployments.openai_schema import ChatCompletionRequest
+from deployments.openai_schema import ChatCompletionRequest, RequestError
 from engine.types import GenerationRequest, SamplingParams
 from graph.orchestrator import AnswerConfig, Orchestrator
 
@@ -100,6 +100,29 @@ def test_planned_modes_answer_and_report_their_plan(path):
         assert response.choices[0].message.content
         assert response.mode in ("ar", "sot", "plato") and response.plan is not None
         assert response.usage.completion_tokens > 0
+
+
+def test_a_prediction_goes_through_the_batcher_and_counts_what_every_attempt_took(path):
+    """Predicted 7 tokens, the answer is cut at its bin's 8 and resumed: the answer is the plain one, and
+    the usage adds up the prediction tokens both attempts took. A planned mode refuses a prediction."""
+    service, batcher, _, _ = path
+
+    async def main():
+        plain = await service.complete(chat("hello there", temperature=0))
+        text = plain.choices[0].message.content
+        predicted = await service.complete(chat("hello there", temperature=0,
+                                                prediction={"type": "content", "content": text}))
+        return plain, predicted, await batcher.stats()
+
+    plain, predicted, stats = run(main())
+    assert predicted.choices[0].message.content == plain.choices[0].message.content
+    assert stats["requeues"] >= 2  # each answer cut at 8 at least once
+    details = predicted.usage.completion_tokens_details
+    # an attempt capped at 8 keeps at most 6 drafted tokens (the prompt's pass and one step choose the rest)
+    assert details.accepted_prediction_tokens > 6 and plain.usage.completion_tokens_details is None
+    with pytest.raises(RequestError) as refused:
+        run(service.complete(chat("hello there", mode="plato", prediction={"type": "content", "content": "hi"})))
+    assert refused.value.param == "prediction"
 
 
 def test_node_prompts_marked_with_a_shared_prefix_reuse_its_kv_on_the_replica(path):
