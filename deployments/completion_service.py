@@ -39,7 +39,7 @@ from deployments.tool_calls import may_be_calls, tagged_calls, template_messages
 from engine.async_engine import AsyncEngine
 from engine.base import chat_ids, template_renders_tools
 from engine.constraints import make_constraint
-from engine.types import FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
+from engine.types import MAX_PREDICTION_TOKENS, FinishReason, GenerationRequest, Result, SamplingParams, TokenEvent
 from graph.journal import AnswerJournal, Contexts, Resume
 from graph.orchestrator import Answer, Orchestrator, PrioritizedClient
 from graph.router import route
@@ -227,8 +227,10 @@ class CompletionService:
         if prediction is None or not prediction.text:
             return []
         ids = await self.engine.call(lambda engine: engine.encode(prediction.text))
-        if len(ids) >= self.max_model_len:
-            raise RequestError("prediction", f"it has {len(ids)} tokens; the model's context is {self.max_model_len}")
+        most = min(self.max_model_len - 1, MAX_PREDICTION_TOKENS)
+        if len(ids) > most:
+            raise RequestError("prediction", f"it has {len(ids)} tokens; at most {most} are taken (the model's context "
+                               f"is {self.max_model_len})")
         return ids
 
     async def _check_format(self, request: OpenAIRequest) -> None:

@@ -7,6 +7,9 @@ import uuid
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+MAX_PREDICTION_TOKENS = 65536  # the longest `SamplingParams.prediction`
+
+
 class SamplingParams(BaseModel):
     """How one request is decoded. Temperature 0 means greedy."""
 
@@ -59,7 +62,7 @@ class SamplingParams(BaseModel):
     no_copy_tokens: int = Field(2, ge=1, le=64, description="How many tokens of a `no_copy` text's beginning "
                                 "the answer may copy before the next one is banned.")
     prediction: list[int] = Field(
-        default_factory=list, max_length=65536, description="OpenAI's predicted outputs: token ids the answer is "
+        default_factory=list, max_length=MAX_PREDICTION_TOKENS, description="OpenAI's predicted outputs: token ids the answer is "
         "expected to repeat mostly (a file being edited, say). Each step checks the prediction's tokens that follow "
         "where the answer has got to in it (`engine.drafts.PredictionDrafts`) and keeps those the model would have "
         "chosen: the answer is the same, only sooner.")

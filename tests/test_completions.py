@@ -293,6 +293,17 @@ def test_openai_client_chats_with_a_mode_and_sees_which_mode_answered(keyed):
     assert reply.choices[0].message.content and reply.model_extra["mode"] == "ar"
 
 
+def test_openai_client_sends_a_prediction_and_reads_what_of_it_was_taken(keyed):
+    messages = [{"role": "user", "content": WORDS}]
+    plain = keyed.chat.completions.create(model=SERVED, messages=messages, max_tokens=12)
+    text = plain.choices[0].message.content
+    reply = keyed.chat.completions.create(model=SERVED, messages=messages, max_tokens=12,
+                                          prediction={"type": "content", "content": text})
+    assert reply.choices[0].message.content == text
+    assert reply.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    assert plain.usage.completion_tokens_details is None
+
+
 def test_openai_client_lists_and_retrieves_the_served_model(keyed):
     assert [m.id for m in keyed.models.list()] == [SERVED]
     assert keyed.models.retrieve(SERVED).id == SERVED
