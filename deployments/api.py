@@ -10,6 +10,7 @@ from typing import Protocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from deployments.admission import RETRY_AFTER_S, Admission
 from deployments.openai_schema import (
@@ -21,6 +22,7 @@ from deployments.openai_schema import (
     TokenizeRequest,
     check_model,
 )
+from deployments.responses_api import ResponsesRequest, ResponseWriter
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,53 @@ async def _answer(backend: CompletionBackend, body: OpenAIRequest):
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+# a chat field a Responses request's error names by the Responses field it came from
+_RESPONSES_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def _responses_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+    try:
+        return body.to_chat()
+    except ValidationError as error:
+        first = error.errors()[0]
+        path = _field_path(first["loc"])
+        head, _, rest = path.partition(".")
+        raise RequestError(".".join(filter(None, [_RESPONSES_FIELDS.get(head, head), rest])), first["msg"]) from None
+    except ValueError as error:
+        raise RequestError("text.format", str(error).removeprefix("text.format: ")) from None
+
+
+async def _respond(backend: CompletionBackend, body: ResponsesRequest):
+    """A Responses request answered as the chat request it amounts to (deployments.responses_api)."""
+    chat = _responses_chat(body)
+    if not body.stream:
+        answer = await backend.complete(chat)
+        answer = answer if isinstance(answer, dict) else answer.model_dump()
+        return ResponseWriter(body, answer["model"]).from_chat(answer)
+    chunks = backend.stream(chat)
+    first = await anext(chunks)  # a RequestError surfaces here, before any byte is sent
+
+    async def chat_chunks():
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+    async def events():
+        writer, number = ResponseWriter(body, first["model"]), 0
+        try:
+            async for event in writer.events(chat_chunks()):
+                number = event["sequence_number"] + 1
+                yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+        except Exception as exc:  # the status is sent already: the stream ends with an error event
+            log.exception("a streamed response failed partway")
+            error = _as_request_error(exc)
+            payload = {"type": "error", "sequence_number": number, "message": error.message, "code": error.code,
+                       "param": error.param}
+            yield f"event: error\ndata: {json.dumps(payload)}\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight: int) -> FastAPI:
     """The FastAPI app over `backend`. With `api_key`, every /v1 route wants `Authorization: Bearer
     <api_key>`; past `max_in_flight` requests at once, new ones get 503 (see deployments.admission)."""
@@ -108,6 +157,10 @@ def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await _answer(request.app.state.backend, body)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await _respond(request.app.state.backend, body)
 
     async def model_card(request: Request) -> dict:
         info = await request.app.state.backend.info()

@@ -36,6 +36,18 @@ def test_answers_a_real_question(server):
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
 
 
+def test_the_responses_route_answers_through_serve_streamed_or_not(server):
+    body = {"input": "What is the capital of France?", "max_output_tokens": 24, "temperature": 0}
+    response = server.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    text = response.json()["output"][0]["content"][0]["text"]
+    assert "Paris" in text
+    streamed = server.post("/v1/responses", json={**body, "stream": True})
+    events = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == text
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+
+
 def test_concurrent_requests_all_answered(server):
     import concurrent.futures
 

@@ -1,0 +1,122 @@
+"""POST /v1/responses (OpenAI's Responses API) in-process over the tiny engine, answered as the chat
+request it amounts to; and the official `openai` client's `responses.create`, streamed or not."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_api import SERVED, WORDS, _chat, assert_refused, client, make_client  # noqa: F401  (fixtures)
+from test_completions import _openai
+
+
+def _respond(client, **body):
+    body.setdefault("input", WORDS)
+    return client.post("/v1/responses", json=body)
+
+
+def _events(response) -> list[dict]:
+    """The events of a streamed response: each `event:` line's type equals its data's."""
+    events, kind = [], None
+    for line in response.text.splitlines():
+        if line.startswith("event: "):
+            kind = line[len("event: "):]
+        elif line.startswith("data: "):
+            data = json.loads(line[len("data: "):])
+            assert data["type"] == kind
+            events.append(data)
+    return events
+
+
+def test_a_response_is_the_chat_answer_in_responses_shape(client):
+    chat = _chat(client, max_tokens=6, temperature=0).json()
+    response = _respond(client, max_output_tokens=6, temperature=0)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "response" and body["id"].startswith("resp_") and body["model"] == SERVED
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    [message] = body["output"]
+    assert message["type"] == "message" and message["role"] == "assistant" and message["status"] == "incomplete"
+    assert message["content"][0]["type"] == "output_text"
+    assert message["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    usage = body["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"]) == (chat["usage"]["prompt_tokens"], 6)
+    assert usage["total_tokens"] == usage["input_tokens"] + 6 and body["mode"] == "ar"
+
+
+def test_instructions_and_messages_are_the_chat_conversation(client):
+    messages = [{"role": "user", "content": "baba bebe"}, {"role": "assistant", "content": "bibi"},
+                {"role": "user", "content": [{"type": "input_text", "text": "bobo "}, {"type": "input_text", "text": "bubu"}]}]
+    chat = _chat(client, max_tokens=5, temperature=0, messages=[
+        {"role": "system", "content": "baba"}, *messages[:2], {"role": "user", "content": "bobo bubu"}]).json()
+    body = _respond(client, max_output_tokens=5, temperature=0, instructions="baba", input=[
+        messages[0], messages[1], {"type": "message", **messages[2]}]).json()
+    assert body["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    assert body["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] and body["instructions"] == "baba"
+
+
+def test_a_streamed_response_sends_openais_events_in_order_and_the_same_text(client):
+    whole = _respond(client, max_output_tokens=8, temperature=0).json()
+    events = _events(_respond(client, max_output_tokens=8, temperature=0, stream=True))
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"} and len(kinds) > 9
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == events[-4]["text"] == whole["output"][0]["content"][0]["text"]
+    final = events[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == text and final["usage"]["output_tokens"] == 8
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input.0.role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": 65}, "max_tokens"),  # past the server's limit: the service names its own field
+    ({"temperature": 3}, "temperature"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"mode": "fast"}, "mode"),
+    ({"model": "gpt-4"}, "model"),
+])
+def test_bad_input_is_a_4xx_naming_the_field(client, body, param):
+    response = _respond(client, **body)
+    if param == "model":
+        assert_refused(response, 404, param, "model_not_found")
+    else:
+        assert_refused(response, 400, param)
+
+
+def test_the_openai_client_creates_responses_streamed_or_not(make_client):
+    openai_client = _openai(make_client(api_key="k3y"), api_key="k3y")
+    reply = openai_client.responses.create(model=SERVED, input=WORDS, max_output_tokens=6, temperature=0)
+    assert reply.output_text and reply.status == "incomplete" and reply.usage.output_tokens == 6
+    stream = openai_client.responses.create(model=SERVED, input=WORDS, max_output_tokens=6, temperature=0,
+                                            stream=True)
+    deltas, final = [], None
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        final = event
+    assert "".join(deltas) == reply.output_text and final.type == "response.incomplete"
+
+
+def test_a_request_reads_as_the_chat_request_it_amounts_to():
+    from deployments.responses_api import ResponsesRequest
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    chat = ResponsesRequest(input=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                            text={"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}},
+                            max_output_tokens=9, mode="plato").to_chat()
+    assert [(m.role, m.content) for m in chat.messages] == [("system", "be brief"), ("user", "hi")]
+    assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert chat.max_tokens == 9 and chat.mode == "plato" and chat.temperature == 1.0 and not chat.stream
+    streamed = ResponsesRequest(input="hi", stream=True, text={"format": {"type": "json_object"}}).to_chat()
+    assert streamed.include_usage and streamed.response_format == {"type": "json_object"}
