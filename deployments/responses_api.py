@@ -1,15 +1,16 @@
 """OpenAI's Responses API (`POST /v1/responses`, the `openai` client's `responses.create`) over the chat
 completions this server answers: a request is read as the chat request it amounts to, and the chat answer
-(or its chunks) written back as a response (or its events). Text in and out, streamed or not, with
-`instructions`, `text.format` (JSON mode and structured outputs), `max_output_tokens`, and this server's
-`mode`. Nothing is stored: `previous_response_id` is a 400, so a conversation is sent whole as `input`.
-Function tools are served on /v1/chat/completions only (a 400 names `tools` here)."""
+(or its chunks) written back as a response (or its events), streamed or not: text, `instructions`,
+`text.format` (JSON mode and structured outputs), `max_output_tokens`, function tools (the calls are
+`function_call` output items; a later request sends them back as input items, with their
+`function_call_output`s), and this server's `mode`. Nothing is stored: `previous_response_id` is a 400,
+so a conversation is sent whole as `input`."""
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -43,22 +44,66 @@ class InputMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(part["text"] for part in self.content)
 
 
+class FunctionCallItem(BaseModel):
+    """A call an earlier response made, sent back as input."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = Field(description="Its arguments' JSON text, as the response gave it.")
+
+
+class FunctionCallOutputItem(BaseModel):
+    """What the caller's function returned for a call."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
+
+
+class FunctionTool(BaseModel):
+    """A function the model may call, as the Responses API lists it (flat, not under `function`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    def for_chat(self) -> dict:
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+
 class ResponsesRequest(BaseModel):
     """The fields of a Responses request this server reads; others are ignored, as the chat route does."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, description="The served model's name; any other name is a 404.")
-    input: list[InputMessage] = Field(description="The user's text, or the conversation as messages (text alone "
-                                      "is read as one user message).")
+    input: list[InputItem] = Field(description="The user's text, or the conversation as messages, calls and their "
+                                   "outputs (text alone is read as one user message).")
     instructions: str | None = Field(None, description="A system message put before the input.")
     max_output_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="As OpenAI's: 1 unless given.")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 (greedy) unless given, as on this server's "
+                               "chat route.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stream: bool = Field(False, description="Answer as server-sent events (response.output_text.delta, ...).")
     text: dict | None = Field(None, description="{'format': {'type': 'text' | 'json_object' | 'json_schema', "
                               "...}}: json_schema's name, schema and strict sit beside its type.")
-    tools: list | None = Field(None, description="Served on /v1/chat/completions only; must be absent or [].")
+    tools: list[FunctionTool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | dict | None = Field(
+        None, description="As chat's, a named function written {'type': 'function', 'name': ...}.")
+    parallel_tool_calls: bool = Field(True, description="With 'required' or 'auto': false allows one call only.")
     previous_response_id: str | None = Field(None, description="Nothing is stored here; must be absent.")
     metadata: dict | None = Field(None, description="Returned as it was sent.")
     mode: RequestMode = Field("ar", description="This server's answer mode (see the chat route's `mode`).")
@@ -70,13 +115,9 @@ class ResponsesRequest(BaseModel):
             value = [{"role": "user", "content": value}] if value.strip() else []
         if not value:
             raise ValueError("the input is empty")
-        return value
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value):
-        if value:
-            raise ValueError("tools are served on /v1/chat/completions; this route answers in text")
+        if isinstance(value, list):  # a message may leave its type out
+            value = [{"type": "message", **item} if isinstance(item, dict) and "type" not in item else item
+                     for item in value]
         return value
 
     @field_validator("previous_response_id")
@@ -100,11 +141,30 @@ class ResponsesRequest(BaseModel):
     def to_chat(self) -> ChatCompletionRequest:
         """The chat request this amounts to (ValueError, or a pydantic one, naming what is wrong)."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        messages += [{"role": _ROLES[m.role], "content": m.text} for m in self.input]
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                messages.append({"role": _ROLES[item.role], "content": item.text})
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            else:  # calls in a row are one assistant turn's
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                    messages[-1]["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            choice = {"type": "function", "function": {"name": choice.get("name")}}
+        if self.tools:
+            tools = {"tools": [t.for_chat() for t in self.tools], "tool_choice": choice,
+                     "parallel_tool_calls": self.parallel_tool_calls}
+        else:  # "auto" and "none" mean no call where there is nothing to call; a named or required one is refused
+            tools = {"tool_choice": choice} if choice not in (None, "auto", "none") else {}
         return ChatCompletionRequest(model=self.model, messages=messages, max_tokens=self.max_output_tokens,
                                      temperature=self.temperature, top_p=self.top_p, stream=self.stream,
                                      stream_options={"include_usage": True} if self.stream else None,
-                                     response_format=self.response_format(), mode=self.mode)
+                                     response_format=self.response_format(), mode=self.mode, **tools)
 
 
 def _usage(usage: dict | None) -> dict | None:
@@ -118,7 +178,8 @@ def _usage(usage: dict | None) -> dict | None:
 
 
 class ResponseWriter:
-    """Writes one response: its ids and the request's settings, then its output as it comes."""
+    """Writes one response: its ids and the request's settings, then its output items as they come (a
+    message with the answer's text, where it has any, then a `function_call` item per call)."""
 
     def __init__(self, request: ResponsesRequest, model: str):
         self.request, self.model = request, model
@@ -126,60 +187,102 @@ class ResponseWriter:
         self.created_at = int(time.time())
 
     def message(self, text: str, status: str) -> dict:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" \
-            else []
+        content = [] if status == "in_progress" else [_text_part(text)]
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
-    def response(self, status: str, text: str | None = None, finish: str | None = None, usage: dict | None = None,
+    @staticmethod
+    def call(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+        return {"type": "function_call", "id": f"fc_{call_id}", "call_id": call_id, "name": name,
+                "arguments": arguments, "status": status}
+
+    def response(self, status: str, output: list[dict] | None = None, usage: dict | None = None,
                  extra: dict | None = None) -> dict:
-        """The response object; `text` None while nothing is output yet, `finish` the chat finish reason."""
-        incomplete = status == "incomplete"
-        output = [] if text is None else [self.message(text, "incomplete" if incomplete else "completed")]
+        """The response object with `output` as far as it is written."""
+        request = self.request
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "model": self.model, "output": output, "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "instructions": self.request.instructions, "max_output_tokens": self.request.max_output_tokens,
-            "temperature": self.request.temperature, "top_p": self.request.top_p, "parallel_tool_calls": True,
-            "tool_choice": "auto", "tools": [], "previous_response_id": None, "metadata": self.request.metadata or {},
-            "text": self.request.text or {"format": {"type": "text"}}, "usage": _usage(usage), **(extra or {}),
+            "model": self.model, "output": output or [], "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+            "temperature": request.temperature, "top_p": request.top_p,
+            "parallel_tool_calls": request.parallel_tool_calls, "tool_choice": request.tool_choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in request.tools or []], "previous_response_id": None,
+            "metadata": request.metadata or {}, "text": request.text or {"format": {"type": "text"}},
+            "usage": _usage(usage), **(extra or {}),
         }
 
     def from_chat(self, chat: dict) -> dict:
         """The whole response from the whole chat answer."""
         choice = chat["choices"][0]
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-        return self.response(status, choice["message"]["content"] or "", choice["finish_reason"], chat.get("usage"),
-                             {"mode": chat.get("mode"), "plan": chat.get("plan")})
+        message, calls = choice["message"], choice["message"].get("tool_calls") or []
+        output = [self.message(message["content"] or "", status)] if message["content"] or not calls else []
+        output += [self.call(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        return self.response(status, output, chat.get("usage"), {"mode": chat.get("mode"), "plan": chat.get("plan")})
 
     async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
-        """The response's stream events from the chat answer's chunks (`include_usage` asked)."""
-        number = 0
+        """The response's stream events from the chat answer's chunks (`include_usage` asked): the message
+        item opens at the answer's first text, a call's item at the call's first delta."""
+        number, indexes = 0, iter(range(1 << 30))
 
         def event(kind: str, **fields) -> dict:
             nonlocal number
             number += 1
             return {"type": kind, "sequence_number": number - 1, **fields}
 
-        place = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        text, message_at, calls, finish, usage, mode = "", None, {}, None, None, None
+
+        def open_message():
+            nonlocal message_at
+            message_at = next(indexes)
+            place = {"item_id": self.message_id, "output_index": message_at, "content_index": 0}
+            return [event("response.output_item.added", output_index=message_at, item=self.message("", "in_progress")),
+                    event("response.content_part.added", **place, part=_text_part(""))]
+
         yield event("response.created", response=self.response("in_progress"))
         yield event("response.in_progress", response=self.response("in_progress"))
-        yield event("response.output_item.added", output_index=0, item=self.message("", "in_progress"))
-        yield event("response.content_part.added", **place,
-                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-        text, finish, usage, mode = "", None, None, None
         async for chunk in chunks:
             mode = chunk.get("mode", mode)
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    text += piece
-                    yield event("response.output_text.delta", **place, delta=piece, logprobs=[])
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    for opened in open_message() if message_at is None else []:
+                        yield opened
+                    text += delta["content"]
+                    yield event("response.output_text.delta", item_id=self.message_id, output_index=message_at,
+                                content_index=0, delta=delta["content"], logprobs=[])
+                for piece in delta.get("tool_calls") or []:
+                    call = calls.get(piece["index"])
+                    if call is None:
+                        call = calls[piece["index"]] = {"at": next(indexes), "id": piece["id"],
+                                                        "name": piece["function"]["name"], "arguments": ""}
+                        yield event("response.output_item.added", output_index=call["at"],
+                                    item=self.call(call["id"], call["name"], "", "in_progress"))
+                    arguments = (piece.get("function") or {}).get("arguments")
+                    if arguments:
+                        call["arguments"] += arguments
+                        yield event("response.function_call_arguments.delta", item_id=f"fc_{call['id']}",
+                                    output_index=call["at"], delta=arguments)
                 finish = choice.get("finish_reason") or finish
         status = "incomplete" if finish == "length" else "completed"
-        yield event("response.output_text.done", **place, text=text, logprobs=[])
-        yield event("response.content_part.done", **place,
-                    part={"type": "output_text", "text": text, "annotations": [], "logprobs": []})
-        yield event("response.output_item.done", output_index=0, item=self.message(text, status))
-        yield event(f"response.{status}", response=self.response(status, text, finish, usage, {"mode": mode}))
+        output = []
+        if message_at is None and not calls:  # an empty answer is still one message
+            for opened in open_message():
+                yield opened
+        if message_at is not None:
+            place = {"item_id": self.message_id, "output_index": message_at, "content_index": 0}
+            yield event("response.output_text.done", **place, text=text, logprobs=[])
+            yield event("response.content_part.done", **place, part=_text_part(text))
+            output.append(self.message(text, status))
+            yield event("response.output_item.done", output_index=message_at, item=output[-1])
+        for call in calls.values():
+            yield event("response.function_call_arguments.done", item_id=f"fc_{call['id']}", output_index=call["at"],
+                        name=call["name"], arguments=call["arguments"])
+            output.append(self.call(call["id"], call["name"], call["arguments"]))
+            yield event("response.output_item.done", output_index=call["at"], item=output[-1])
+        yield event(f"response.{status}", response=self.response(status, output, usage, {"mode": mode}))
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

@@ -220,6 +220,28 @@ def test_openai_client_gets_tool_calls_and_answers_from_the_tools_result(server)
     assert (auto.message.content or auto.message.tool_calls) and auto.finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_the_openai_clients_responses_call_a_tool_and_answer_from_its_output(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    function = WEATHER_TOOL["function"]
+    tools = [{"type": "function", **function}]
+    asked = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    reply = client.responses.create(model="embedded:smollm2-135m", input=asked, tools=tools, max_output_tokens=48,
+                                    tool_choice={"type": "function", "name": "get_weather"})
+    [call] = [item for item in reply.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    streamed = client.responses.create(model="embedded:smollm2-135m", input=asked, tools=tools, max_output_tokens=48,
+                                       tool_choice={"type": "function", "name": "get_weather"}, stream=True)
+    pieces = [e.delta for e in streamed if e.type == "response.function_call_arguments.delta"]
+    assert "".join(pieces) == call.arguments
+    follow_up = asked + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
+                          "arguments": call.arguments},
+                         {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}]
+    answer = client.responses.create(model="embedded:smollm2-135m", input=follow_up, tools=tools,
+                                     tool_choice="none", max_output_tokens=32)
+    assert "18" in answer.output_text
+
+
 def test_openai_clients_stream_helper_gathers_a_call_streamed_piece_by_piece(server):
     import json
 

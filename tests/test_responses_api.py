@@ -74,13 +74,16 @@ def test_a_streamed_response_sends_openais_events_in_order_and_the_same_text(cli
 @pytest.mark.parametrize("body, param", [
     ({"input": ""}, "input"),
     ({"input": []}, "input"),
-    ({"input": [{"role": "robot", "content": "hi"}]}, "input.0.role"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input.0.message.role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.message.content"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input.0.function_call_output.output"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": 65}, "max_tokens"),  # past the server's limit: the service names its own field
     ({"temperature": 3}, "temperature"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
     ({"text": {"format": {"type": "xml"}}}, "text.format"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"mode": "fast"}, "mode"),
@@ -117,6 +120,73 @@ def test_a_request_reads_as_the_chat_request_it_amounts_to():
                             max_output_tokens=9, mode="plato").to_chat()
     assert [(m.role, m.content) for m in chat.messages] == [("system", "be brief"), ("user", "hi")]
     assert chat.response_format == {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    assert chat.max_tokens == 9 and chat.mode == "plato" and chat.temperature == 1.0 and not chat.stream
+    assert chat.max_tokens == 9 and chat.mode == "plato" and chat.temperature == 0.0 and not chat.stream
     streamed = ResponsesRequest(input="hi", stream=True, text={"format": {"type": "json_object"}}).to_chat()
     assert streamed.include_usage and streamed.response_format == {"type": "json_object"}
+
+
+def test_calls_and_their_outputs_read_as_the_chat_turns_they_are():
+    from deployments.responses_api import ResponsesRequest
+
+    chat = ResponsesRequest(input=[
+        {"role": "user", "content": "weather in Paris and Rome?"},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city":"Paris"}'},
+        {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": '{"city":"Rome"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": "rain"},
+    ], tools=[{"type": "function", "name": "weather", "parameters": {"type": "object"}}],
+        tool_choice={"type": "function", "name": "weather"}, parallel_tool_calls=False).to_chat()
+    assert [m.role for m in chat.messages] == ["user", "assistant", "tool", "tool"]
+    assert [(c.id, c.function.name) for c in chat.messages[1].tool_calls] == [("c1", "weather"), ("c2", "weather")]
+    assert (chat.messages[2].tool_call_id, chat.messages[2].content) == ("c1", "sunny")
+    assert chat.tools[0].function.name == "weather" and chat.tool_choice.function.name == "weather"
+    assert chat.parallel_tool_calls is False
+
+
+def _writer(**fields):
+    from deployments.responses_api import ResponsesRequest, ResponseWriter
+
+    return ResponseWriter(ResponsesRequest(input="hi", **fields), SERVED)
+
+
+def test_a_chat_answer_with_calls_becomes_function_call_items_after_its_text():
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}
+    chat = {"choices": [{"message": {"content": None, "tool_calls": [call]}, "finish_reason": "tool_calls"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}, "mode": "ar"}
+    response = _writer().from_chat(chat)
+    assert response["status"] == "completed" and response["output"] == [
+        {"type": "function_call", "id": "fc_call_1", "call_id": "call_1", "name": "weather",
+         "arguments": '{"city":"Paris"}', "status": "completed"}]
+    chat["choices"][0]["message"]["content"] = "Let me look."
+    assert [item["type"] for item in _writer().from_chat(chat)["output"]] == ["message", "function_call"]
+
+
+def test_streamed_calls_open_an_item_each_and_send_their_arguments_piece_by_piece():
+    import asyncio
+
+    chunks = [{"choices": [{"delta": {"content": "Let me look."}}]},
+              {"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                                      "function": {"name": "weather", "arguments": ""}}]}}]},
+              {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city":'}}]}}]},
+              {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+                            "finish_reason": "tool_calls"}]},
+              {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}}]
+
+    async def collect():
+        async def source():
+            for chunk in chunks:
+                yield chunk
+        return [e async for e in _writer().events(source())]
+
+    events = asyncio.run(collect())
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.delta",
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert events[5]["output_index"] == 1 and events[5]["item"]["status"] == "in_progress"
+    assert events[11]["arguments"] == '{"city":"Paris"}' and events[11]["output_index"] == 1
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["message", "function_call"]
+    assert final["output"][1]["arguments"] == '{"city":"Paris"}' and final["usage"]["output_tokens"] == 9
