@@ -60,14 +60,25 @@ def _as_request_error(exc: Exception) -> RequestError:
     return RequestError(None, f"the server failed to answer this request: {type(cause).__name__}: {cause}", status=500)
 
 
+async def _started(chunks: AsyncIterator[dict]) -> tuple[dict, AsyncIterator[dict]]:
+    """A stream's first chunk, awaited now (a RequestError surfaces here, before any byte is sent), and the
+    whole stream, that chunk first."""
+    first = await anext(chunks)
+
+    async def whole():
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+    return first, whole()
+
+
 async def _answer(backend: CompletionBackend, body: OpenAIRequest):
     if not body.stream:
         return await backend.complete(body)
-    chunks = backend.stream(body)
-    first = await anext(chunks)  # a RequestError surfaces here, before any byte is sent
+    _, chunks = await _started(backend.stream(body))
 
     async def events():
-        yield f"data: {json.dumps(first)}\n\n"
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -91,8 +102,6 @@ def _responses_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         path = _field_path(first["loc"])
         head, _, rest = path.partition(".")
         raise RequestError(".".join(filter(None, [_RESPONSES_FIELDS.get(head, head), rest])), first["msg"]) from None
-    except ValueError as error:
-        raise RequestError("text.format", str(error).removeprefix("text.format: ")) from None
 
 
 async def _respond(backend: CompletionBackend, body: ResponsesRequest):
@@ -102,18 +111,12 @@ async def _respond(backend: CompletionBackend, body: ResponsesRequest):
         answer = await backend.complete(chat)
         answer = answer if isinstance(answer, dict) else answer.model_dump()
         return ResponseWriter(body, answer["model"]).from_chat(answer)
-    chunks = backend.stream(chat)
-    first = await anext(chunks)  # a RequestError surfaces here, before any byte is sent
-
-    async def chat_chunks():
-        yield first
-        async for chunk in chunks:
-            yield chunk
+    first, chunks = await _started(backend.stream(chat))
 
     async def events():
         writer, number = ResponseWriter(body, first["model"]), 0
         try:
-            async for event in writer.events(chat_chunks()):
+            async for event in writer.events(chunks):
                 number = event["sequence_number"] + 1
                 yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
         except Exception as exc:  # the status is sent already: the stream ends with an error event

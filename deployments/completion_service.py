@@ -65,6 +65,11 @@ def _usage(results: list[Result], n: int, predicted: bool = False) -> Usage:
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), completion_tokens_details=details)
 
 
+def _prediction(request: OpenAIRequest):
+    """A chat request's prediction (OpenAI's predicted outputs); None without one, and for text completions."""
+    return getattr(request, "prediction", None)
+
+
 def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
     """`n` engine requests for n choices of one prompt. Their prompt, but for its last token, is
     marked shared, so an engine computes it once and the other choices start from its cached KV;
@@ -223,7 +228,7 @@ class CompletionService:
 
     async def _prediction_ids(self, request: OpenAIRequest) -> list[int]:
         """The token ids of a chat request's prediction (none without one)."""
-        prediction = getattr(request, "prediction", None)
+        prediction = _prediction(request)
         if prediction is None or not prediction.text:
             return []
         ids = await self.engine.call(lambda engine: engine.encode(prediction.text))
@@ -421,7 +426,7 @@ class CompletionService:
                 and request.stream and request.logprobs):
             raise RequestError("logprobs", "a streamed answer of tool calls sends the calls as argument deltas, "
                                "without token log probabilities; ask for them without stream")
-        if getattr(request, "prediction", None) is not None and self._planned(request):
+        if _prediction(request) is not None and self._planned(request):
             raise RequestError("prediction", f"a planned answer (mode '{request.mode}') is assembled from parts "
                                "decoded apart; send a prediction with mode 'ar'")
         if request.logprobs_asked is not None and self._planned(request):
@@ -470,13 +475,13 @@ class CompletionService:
             echoes = await self._echoes(request, engine_requests)
             text_choices = [text_choice(i, r, echoes[i // request.n], _finish(r)) for i, r in enumerate(results)]
             return TextCompletion(model=self.model_name, choices=text_choices, usage=_usage(results, request.n))
-        predicted = request.prediction is not None
         messages = [_message(request, r) for r in results]
         choices = [Choice(index=i, message=m, finish_reason=_chat_finish(request, r, m),
                           logprobs=chat_logprobs(r.logprobs) if r.logprobs is not None else None)
                    for i, (r, m) in enumerate(zip(results, messages))]
         return ChatCompletionResponse(model=self.model_name, choices=choices,
-                                      usage=_usage(results, request.n, predicted), mode=PLAIN_MODE)
+                                      usage=_usage(results, request.n, _prediction(request) is not None),
+                                      mode=PLAIN_MODE)
 
     async def _echoes(self, request: CompletionRequest, engine_requests: list[GenerationRequest]) -> list[Echo | None]:
         """Per prompt, what its choices echo (None each without `echo`)."""
@@ -562,8 +567,8 @@ class CompletionService:
         self._observe_plain(request, started)
         if request.include_usage:
             ordered = [results[i] for i in range(len(choices))]
-            predicted = getattr(request, "prediction", None) is not None
-            yield chunk.model_copy(update={"choices": [], "usage": _usage(ordered, request.n, predicted)}).model_dump()
+            usage = _usage(ordered, request.n, _prediction(request) is not None)
+            yield chunk.model_copy(update={"choices": [], "usage": usage}).model_dump()
 
     async def _events(self, requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, TokenEvent | Result]]:
         """(choice index, token event or result) of every request, as each comes; one request's

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from deployments.openai_schema import ChatCompletionRequest
+from deployments.openai_schema import ChatCompletionRequest, RequestError
 from graph.orchestrator import RequestMode
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -136,10 +136,10 @@ class ResponsesRequest(BaseModel):
             return {"type": "json_object"}
         if kind == "json_schema":
             return {"type": "json_schema", "json_schema": {k: v for k, v in form.items() if k != "type"}}
-        raise ValueError(f"text.format: the 'text', 'json_object' and 'json_schema' formats are served, not {kind!r}")
+        raise RequestError("text.format", f"the 'text', 'json_object' and 'json_schema' formats are served, not {kind!r}")
 
     def to_chat(self) -> ChatCompletionRequest:
-        """The chat request this amounts to (ValueError, or a pydantic one, naming what is wrong)."""
+        """The chat request this amounts to (a RequestError for its format, or a pydantic ValidationError)."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         for item in self.input:
             if isinstance(item, InputMessage):
@@ -247,8 +247,9 @@ class ResponseWriter:
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta") or {}
                 if delta.get("content"):
-                    for opened in open_message() if message_at is None else []:
-                        yield opened
+                    if message_at is None:
+                        for opened in open_message():
+                            yield opened
                     text += delta["content"]
                     yield event("response.output_text.delta", item_id=self.message_id, output_index=message_at,
                                 content_index=0, delta=delta["content"], logprobs=[])
