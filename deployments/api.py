@@ -62,7 +62,8 @@ def _as_request_error(exc: Exception) -> RequestError:
 
 async def _started(chunks: AsyncIterator[dict]) -> tuple[dict, AsyncIterator[dict]]:
     """A stream's first chunk, awaited now (a RequestError surfaces here, before any byte is sent), and the
-    whole stream, that chunk first."""
+    whole stream, that chunk first (for a reader that takes chunks from one iterator, as the Responses
+    writer does; the chat route iterates the backend's own stream, its disconnect path as it was)."""
     first = await anext(chunks)
 
     async def whole():
@@ -76,9 +77,11 @@ async def _started(chunks: AsyncIterator[dict]) -> tuple[dict, AsyncIterator[dic
 async def _answer(backend: CompletionBackend, body: OpenAIRequest):
     if not body.stream:
         return await backend.complete(body)
-    _, chunks = await _started(backend.stream(body))
+    chunks = backend.stream(body)
+    first = await anext(chunks)  # a RequestError surfaces here, before any byte is sent
 
     async def events():
+        yield f"data: {json.dumps(first)}\n\n"
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
