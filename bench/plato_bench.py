@@ -40,6 +40,8 @@ VARIANTS = {  # name: (mode, AnswerConfig overrides, EngineConfig overrides)
     "plato-no-drafts": ("plato", {}, {"speculative_tokens": 0}),
     # nodes free to write the plan's sub-questions out again (AnswerConfig.plan_copy_tokens)
     "plato-no-copy-guard": ("plato", {"plan_copy_tokens": None}, {}),
+    # node answers free to open a line with "What", "How", ... (AnswerConfig.node_no_openings)
+    "plato-no-opening-guard": ("plato", {"node_no_openings": []}, {}),
     # a node admitted while the plan (or other nodes) decodes prefilled in a pass of its own
     "plato-no-mixed-batches": ("plato", {}, {"mixed_batches": False}),
     # a node that starts earlier takes a larger share of the budget (AnswerConfig.node_budget_stagger)
@@ -53,14 +55,15 @@ VARIANTS = {  # name: (mode, AnswerConfig overrides, EngineConfig overrides)
 # Each variant's process holds an engine of its own, about 2.6 GB here (the model, and a KV cache for
 # 32 sequences of 1,024 tokens): nine did not fit in this box's 24 GB (the page cache thrashed and
 # every variant slowed), so the default is eight and `--variants` names the others.
-DEFAULT_VARIANTS = [name for name in VARIANTS
-                    if name not in ("plato-no-copy-guard", "plato-no-mixed-batches", "plato-staggered",
-                                    "plato-no-wrap-up", "auto")]
+OPTIONAL_VARIANTS = ("plato-no-copy-guard", "plato-no-opening-guard", "plato-no-mixed-batches", "plato-staggered",
+                     "plato-no-wrap-up", "auto")
+DEFAULT_VARIANTS = [name for name in VARIANTS if name not in OPTIONAL_VARIANTS]
 # Part of a run's settings: raised when a change to the code (not to a setting) alters the answers or
 # their timing, so that a resumed run never mixes answers made before it with answers made after.
 # 2: node prompts name their preamble, whose KV serves the first node of every later question.
 # 3: prompts admitted while others decode are prefilled in their decode pass (EngineConfig.mixed_batches).
-ANSWER_REVISION = 3
+# 4: nodes' answers open no line with a question word (AnswerConfig.node_no_openings; the engine's no_openings).
+ANSWER_REVISION = 4
 PARAGRAPH = re.compile(r"\*\*(.+?)\*\* (.*?)(?=\n\n\*\*|\Z)", re.S)
 SENTENCE_ENDED = re.compile(r"[.!?][\"')\]*]*\s*$")
 
@@ -215,9 +218,8 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--budget", type=int, default=None, help="answer-token budget of every mode")
     parser.add_argument("--planning-only", action="store_true", help="only the questions the router sends to plato")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help=f"comma-separated, of {', '.join(VARIANTS)} (default: all but plato-no-copy-guard and "
-                        "plato-no-mixed-batches; "
-                        "ar and plato give the keys)")
+                        help=f"comma-separated, of {', '.join(VARIANTS)} (default: all but "
+                        f"{', '.join(OPTIONAL_VARIANTS)}; ar and plato give the keys)")
     parser.add_argument("--in-flight", type=int, default=16,
                         help="how many of the questions (the first) are sent at once for the throughput figures")
     parser.add_argument("--store", type=Path, default=RESULTS / "plato_runs",

@@ -15,6 +15,7 @@ from engine.base import Engine
 from engine.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
 from engine.constraints import TokenConstraint, make_constraint
 from engine.copies import CopyGuard
+from engine.openings import OpeningGuard
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafts import PredictionDrafts, lookup_draft
 from engine.loops import LoopDetector
@@ -50,6 +51,7 @@ class _Sequence:
     constraint: TokenConstraint | None = None
     loops: LoopDetector | None = None
     copies: CopyGuard | None = None
+    openings: OpeningGuard | None = None
     logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per generated token
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # those of new_tokens
     prompt_logprobs: list[TokenLogprob] | None = None  # with params.prompt_logprobs, once the prompt is computed
@@ -118,6 +120,7 @@ class LLMEngine(Engine):
         self._results: dict[str, Result] = {}
         self._order = itertools.count()
         self._token_texts: dict[int, str] = {}  # each token decoded alone, for logprobs
+        self._opening_guards: dict[tuple[str, ...], OpeningGuard] = {}  # per `no_openings` word list
         self._stats = {"steps": 0, "generated_tokens": 0, "prefill_tokens": 0, "finished": 0, "step_s": 0.0,
                        "forced_tokens": 0, "draft_tokens": 0, "accepted_draft_tokens": 0, "mixed_steps": 0,
                        "preempted": 0}
@@ -160,6 +163,7 @@ class LLMEngine(Engine):
             loops=LoopDetector() if request.params.stop_on_loop else None,
             copies=CopyGuard.for_texts(request.params.no_copy, self.tokenizer, request.params.no_copy_tokens)
             if request.params.no_copy else None,
+            openings=self._opening_guard(tuple(request.params.no_openings)) if request.params.no_openings else None,
             logprobs=list(request.resume_logprobs) if request.params.logprobs is not None else None,
             predicted=PredictionDrafts(request.params.prediction) if request.params.prediction else None,
         )
@@ -568,12 +572,21 @@ class LLMEngine(Engine):
             text = self._token_texts[token] = self.tokenizer.decode([token])
         return text
 
+    def _opening_guard(self, words: tuple[str, ...]) -> OpeningGuard:
+        """One guard per word list, kept: every node of every planned answer asks for the same words."""
+        guard = self._opening_guards.get(words)
+        if guard is None:
+            guard = self._opening_guards[words] = OpeningGuard.for_words(words, self.tokenizer)
+        return guard
+
     def _allowed(self, sequence: _Sequence, width: int) -> torch.Tensor | None:
-        """The tokens the sequence may take next: its constraint's, less those its copy guard bans and
-        the stop tokens while it is short of `min_tokens` (unless that would leave none, as when the
+        """The tokens the sequence may take next: its constraint's, less those its copy and opening guards
+        ban and the stop tokens while it is short of `min_tokens` (unless that would leave none, as when the
         grammar forces the banned token)."""
         mask = sequence.constraint.allowed() if sequence.constraint is not None else None
         banned = list(sequence.copies.banned(sequence.generated)) if sequence.copies is not None else []
+        if sequence.openings is not None:
+            banned += sequence.openings.banned(sequence.detokenizer.text)
         if len(sequence.generated) < sequence.request.params.min_tokens:
             banned += self.stop_token_ids
         if not banned:

@@ -61,6 +61,13 @@ class SamplingParams(BaseModel):
     )
     no_copy_tokens: int = Field(2, ge=1, le=64, description="How many tokens of a `no_copy` text's beginning "
                                 "the answer may copy before the next one is banned.")
+    no_openings: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Words no line of the answer may open with (the answer's first, and each after a line break, "
+        "past a list marker such as `2.`): `What` and `How` for a plan node's answer, which the embedded model "
+        "otherwise often writes as questions (see engine.openings). Only a word that is one token is banned.",
+    )
     prediction: list[int] = Field(
         default_factory=list, max_length=MAX_PREDICTION_TOKENS, description="OpenAI's predicted outputs: token ids the answer is "
         "expected to repeat mostly (a file being edited, say). Each step checks the prediction's tokens that follow "

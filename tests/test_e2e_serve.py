@@ -293,8 +293,6 @@ def test_a_client_that_disconnects_mid_answer_stops_its_decoding(server, mode):
     """Serve cancels the calls made for a request whose client went away; the batcher then takes
     the request out of its micro-batch and cancels that call on the decoder, whose engine aborts it
     (a planned answer's plan and parts alike)."""
-    import time
-
     from ray import serve
 
     batcher = serve.get_deployment_handle("Batcher", app_name="plato")
@@ -311,6 +309,14 @@ def test_a_client_that_disconnects_mid_answer_stops_its_decoding(server, mode):
         with httpx.Client(base_url=server.base_url, timeout=2.0) as impatient, pytest.raises(httpx.ReadTimeout):
             with impatient.stream("POST", "/v1/chat/completions", json=body) as response:
                 list(response.iter_lines())
+    _assert_decoding_stopped(batcher, decoder, cancelled, generated)
+
+
+def _assert_decoding_stopped(batcher, decoder, cancelled: int, generated: int) -> None:
+    """The decoder goes idle well before the 256 tokens asked for, and the batcher counts one more
+    request cancelled, with nothing left in flight or pending."""
+    import time
+
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         engine = decoder.stats.remote().result()
@@ -321,6 +327,23 @@ def test_a_client_that_disconnects_mid_answer_stops_its_decoding(server, mode):
     assert engine["generated_tokens"] - generated < 200  # aborted well before its 256 tokens
     stats = batcher.stats.remote().result()
     assert stats["cancelled"] > cancelled and stats["in_flight"] == stats["pending"] == 0
+
+
+def test_a_client_that_leaves_a_streamed_response_stops_its_decoding(server):
+    """The Responses route reads the chat stream through a wrapper: a client that goes away after the
+    first text delta still has its decoding aborted, as on the chat route."""
+    from ray import serve
+
+    batcher = serve.get_deployment_handle("Batcher", app_name="plato")
+    decoder = serve.get_deployment_handle("Decoder", app_name="plato")
+    cancelled = batcher.stats.remote().result()["cancelled"]
+    generated = decoder.stats.remote().result()["generated_tokens"]
+    body = {"model": "embedded:smollm2-135m", "input": "Tell me a long story about a dragon and a knight.",
+            "max_output_tokens": 256, "stream": True}
+    with server.stream("POST", "/v1/responses", json=body) as response:
+        assert response.status_code == 200
+        next(line for line in response.iter_lines() if "response.output_text.delta" in line)
+    _assert_decoding_stopped(batcher, decoder, cancelled, generated)
 
 
 def test_one_request_of_a_micro_batch_is_aborted_on_its_decoder_while_the_other_decodes_on(server):

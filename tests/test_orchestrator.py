@@ -9,7 +9,7 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.types import FinishReason, GenerationRequest, Result, TokenEvent
 from graph.orchestrator import AnswerConfig, EngineClient, Orchestrator
-from graph.prompts import NODE_SYSTEM
+from graph.prompts import NODE_NO_OPENINGS, NODE_SYSTEM
 
 DIAMOND = "1. Find A [needs: none]\n2. Use A for B [needs: 1]\n3. Use A for C [needs: 1]\n4. Join B and C [needs: 2, 3]"
 
@@ -489,6 +489,20 @@ def test_plan_nodes_may_not_copy_the_question_or_the_plan_so_far_but_outline_poi
     points = RecordingPointsClient(DIAMOND)
     asyncio.run(Orchestrator(points, AnswerConfig()).answer("Q?", "sot"))
     assert len(points.point_params) == 3 and all(p.no_copy == [] for p in points.point_params)
+
+
+def test_plan_nodes_open_no_line_with_a_question_word_but_outline_points_may():
+    client = ScriptedClient(DIAMOND)
+    asyncio.run(Orchestrator(client, AnswerConfig()).answer("Q?", "plato"))
+    nodes = [r for r in client.requests if r.params.no_copy]
+    assert len(nodes) == 4 and all(r.params.no_openings == list(NODE_NO_OPENINGS) for r in nodes)
+    assert "What" in NODE_NO_OPENINGS and "How" in NODE_NO_OPENINGS
+    unguarded = ScriptedClient(DIAMOND)
+    asyncio.run(Orchestrator(unguarded, AnswerConfig(node_no_openings=[])).answer("Q?", "plato"))
+    assert all(r.params.no_openings == [] for r in unguarded.requests)
+    points = RecordingPointsClient(DIAMOND)
+    asyncio.run(Orchestrator(points, AnswerConfig()).answer("Q?", "sot"))
+    assert len(points.point_params) == 3 and all(p.no_openings == [] for p in points.point_params)
 
 
 class RecordingPointsClient(ScriptedClient):
