@@ -40,11 +40,11 @@ PLAN_EXAMPLES = [
 # request per part gave on-topic answers for every part.
 NODE_SYSTEM = "You are a helpful assistant. You answer a question part by part, following your plan."
 
-# What a node's answer may not open a line with. Measured on the embedded model (21 Vicuna questions whose
-# planned answers had parts written as questions): banning these where a line opens took the parts holding a
-# "?" from 32 of 74 to 4, and the model wrote "The most productive way to work from home is ..." where it
-# had asked "What is a productive way to work from home?". `Part`, `Plan` and `Answer` open its
-# "Part 2:" and "Plan:" lines, which restart the plan. `Do` is left out: it opens advice ("Do stretch").
+# What a node's answer may not open a line with. Measured on the embedded model over Vicuna-80 (`bench plato`,
+# `plato-no-opening-guard` in turns): the parts holding a "?" fell from 11.7% to 1.8%, the model writing
+# "The most productive way to work from home is ..." where it had asked "What is a productive way to work
+# from home?", for 2% more tokens and time. `Part`, `Plan` and `Answer` open its "Part 2:" and "Plan:" lines,
+# which restart the plan. `Do` is left out: it opens advice ("Do stretch").
 NODE_NO_OPENINGS = ("What", "How", "Why", "Which", "When", "Where", "Who", "Is", "Are", "Can", "Does", "Should",
                     "Part", "Plan", "Answer")
 
