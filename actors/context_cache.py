@@ -1,10 +1,12 @@
 """The shared context-cache actor: one per application, a thin async shell over
-`graph.context_store.ContextStore`. Prefix KV payloads are Ray object references, handed around
+`graph.context_store.ContextStore` (and over `deployments.response_store.ResponseStore`, the Responses
+API's stored responses, which every ingress replica must reach alike). Prefix KV payloads are Ray object references, handed around
 inside a list so that Ray passes the reference instead of fetching the tensors into this actor."""
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from deployments.response_store import ResponseStore
 from graph.context_store import ContextStore
 
 
@@ -13,6 +15,9 @@ class ContextCacheConfig(BaseModel):
 
     max_bytes: int = Field(2 << 30, ge=1, description="Prefix KV bytes the index keeps before evicting the least recently used.")
     max_contexts: int = Field(10_000, ge=1, description="Request contexts (question, plan, node answers) kept.")
+    max_response_bytes: int = Field(256 << 20, ge=1, description="Stored Responses API responses (each with its "
+                                    "conversation) kept, in bytes of JSON, before the least recently used go.")
+    max_responses: int = Field(10_000, ge=1, description="Stored Responses API responses kept, at most.")
 
 
 class ContextCacheClient:
@@ -34,6 +39,15 @@ class ContextCacheClient:
     async def close(self, request_id: str) -> None:
         await self.handle.close.remote(request_id)
 
+    async def put_response(self, response_id: str, record: dict) -> bool:
+        return await self.handle.put_response.remote(response_id, record)
+
+    async def get_response(self, response_id: str) -> dict | None:
+        return await self.handle.get_response.remote(response_id)
+
+    async def delete_response(self, response_id: str) -> bool:
+        return await self.handle.delete_response.remote(response_id)
+
 
 class ContextCache:
     """Wrap with `serve.deployment` (num_replicas=1) or `ray.remote`."""
@@ -41,6 +55,7 @@ class ContextCache:
     def __init__(self, config: dict | None = None):
         settings = ContextCacheConfig.model_validate(config or {})
         self.store = ContextStore(settings.max_bytes, settings.max_contexts)
+        self.responses = ResponseStore(settings.max_response_bytes, settings.max_responses)
 
     async def put_prefix(self, key: str, payload: list, nbytes: int, holder: str) -> list[str]:
         return self.store.put_prefix(key, payload, nbytes, holder)
@@ -61,5 +76,14 @@ class ContextCache:
     async def close(self, request_id: str) -> None:
         self.store.close(request_id)
 
+    async def put_response(self, response_id: str, record: dict) -> bool:
+        return self.responses.put(response_id, record)
+
+    async def get_response(self, response_id: str) -> dict | None:
+        return self.responses.get(response_id)
+
+    async def delete_response(self, response_id: str) -> bool:
+        return self.responses.delete(response_id)
+
     async def stats(self) -> dict:
-        return self.store.stats()
+        return {**self.store.stats(), **self.responses.stats()}

@@ -22,6 +22,7 @@ from deployments.openai_schema import (
     TokenizeRequest,
     check_model,
 )
+from deployments.response_store import LocalResponses
 from deployments.responses_api import ResponsesRequest, ResponseWriter
 
 log = logging.getLogger(__name__)
@@ -97,9 +98,19 @@ async def _answer(backend: CompletionBackend, body: OpenAIRequest):
 _RESPONSES_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
-def _responses_chat(body: ResponsesRequest) -> ChatCompletionRequest:
+class ResponseRecords(Protocol):
+    """Where responses are stored (deployments.response_store): in this process, or the context-cache actor."""
+
+    async def put_response(self, response_id: str, record: dict) -> bool: ...
+
+    async def get_response(self, response_id: str) -> dict | None: ...
+
+    async def delete_response(self, response_id: str) -> bool: ...
+
+
+def _responses_chat(body: ResponsesRequest, history: list[dict] | None) -> ChatCompletionRequest:
     try:
-        return body.to_chat()
+        return body.to_chat(history)
     except ValidationError as error:
         first = error.errors()[0]
         path = _field_path(first["loc"])
@@ -107,13 +118,41 @@ def _responses_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         raise RequestError(".".join(filter(None, [_RESPONSES_FIELDS.get(head, head), rest])), first["msg"]) from None
 
 
-async def _respond(backend: CompletionBackend, body: ResponsesRequest):
-    """A Responses request answered as the chat request it amounts to (deployments.responses_api)."""
-    chat = _responses_chat(body)
+async def _stored(records: ResponseRecords, response_id: str, param: str | None) -> dict:
+    """A stored response's record; a 400 naming `param` (a follow-up's `previous_response_id`), or a 404 (a
+    route's own id), where none is kept under that id."""
+    record = await records.get_response(response_id)
+    if record is None:
+        raise _not_stored(response_id, param)
+    return record
+
+
+def _not_stored(response_id: str, param: str | None) -> RequestError:
+    message = f"no response with id {response_id!r} is stored here (never stored, deleted or forgotten)"
+    if param:
+        return RequestError(param, message, code="previous_response_not_found")
+    return RequestError(None, message, status=404, code="not_found")
+
+
+async def _respond(backend: CompletionBackend, records: ResponseRecords, body: ResponsesRequest):
+    """A Responses request answered as the chat request it amounts to (deployments.responses_api), after
+    the conversation of the response it follows; stored with its own, unless `store` is false."""
+    history = None
+    if body.previous_response_id is not None:
+        history = (await _stored(records, body.previous_response_id, "previous_response_id"))["messages"]
+    chat = _responses_chat(body, history)
+
+    async def keep(response: dict) -> None:
+        if body.store:
+            await records.put_response(response["id"], {"response": response,
+                                                        "messages": body.conversation(history, response)})
+
     if not body.stream:
         answer = await backend.complete(chat)
         answer = answer if isinstance(answer, dict) else answer.model_dump()
-        return ResponseWriter(body, answer["model"]).from_chat(answer)
+        response = ResponseWriter(body, answer["model"]).from_chat(answer)
+        await keep(response)
+        return response
     first, chunks = await _started(backend.stream(chat))
 
     async def events():
@@ -121,6 +160,8 @@ async def _respond(backend: CompletionBackend, body: ResponsesRequest):
         try:
             async for event in writer.events(chunks):
                 number = event["sequence_number"] + 1
+                if event["type"] in ("response.completed", "response.incomplete"):
+                    await keep(event["response"])  # before the client hears it is done, so it can follow it up
                 yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
         except Exception as exc:  # the status is sent already: the stream ends with an error event
             log.exception("a streamed response failed partway")
@@ -132,11 +173,14 @@ async def _respond(backend: CompletionBackend, body: ResponsesRequest):
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight: int) -> FastAPI:
+def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight: int,
+               responses: ResponseRecords | None = None) -> FastAPI:
     """The FastAPI app over `backend`. With `api_key`, every /v1 route wants `Authorization: Bearer
-    <api_key>`; past `max_in_flight` requests at once, new ones get 503 (see deployments.admission)."""
+    <api_key>`; past `max_in_flight` requests at once, new ones get 503 (see deployments.admission).
+    `responses`: where the Responses API's responses are stored (default: in this process)."""
     app = FastAPI(title="plato-serve", description="OpenAI-compatible LLM serving on Ray Serve")
     app.state.backend = backend
+    app.state.responses = responses if responses is not None else LocalResponses()
     app.add_middleware(Admission, api_key=api_key, max_in_flight=max_in_flight)
 
     @app.exception_handler(RequestValidationError)
@@ -166,7 +210,17 @@ def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        return await _respond(request.app.state.backend, body)
+        return await _respond(request.app.state.backend, request.app.state.responses, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str, request: Request):
+        return (await _stored(request.app.state.responses, response_id, None))["response"]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        if not await request.app.state.responses.delete_response(response_id):
+            raise _not_stored(response_id, None)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     async def model_card(request: Request) -> dict:
         info = await request.app.state.backend.info()

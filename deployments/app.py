@@ -195,8 +195,11 @@ class Ingress:
     """HTTP entry point: checks the API key and the replica's load, validates OpenAI requests,
     answers plain ones through the batcher and forwards questions to plan to the planner."""
 
-    def __init__(self, planner: DeploymentHandle, batcher: DeploymentHandle, config: dict):
+    def __init__(self, planner: DeploymentHandle, batcher: DeploymentHandle, config: dict,
+                 context_cache: DeploymentHandle | None = None):
         self.config = AppConfig.model_validate(config)
+        # the Responses API's stored responses, in the one actor every ingress replica reaches
+        self.responses = ContextCacheClient(context_cache) if context_cache is not None else None
         lower_routing_priority(self.config.routing_priority)
         self.api_key = self.config.resolve_api_key()  # a missing key fails the replica's start, loudly
         plain = batcher_service(self.config.engine.model_dump(), self.config.limits.model_dump(), batcher,
@@ -205,7 +208,8 @@ class Ingress:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """Called by Serve on each replica after `__init__`: the routes over both paths."""
-        return create_app(self.backend, api_key=self.api_key, max_in_flight=self.config.limits.max_queued_requests)
+        return create_app(self.backend, api_key=self.api_key, max_in_flight=self.config.limits.max_queued_requests,
+                          responses=self.responses)
 
 
 def build_app(args: dict | None = None) -> Application:
@@ -220,4 +224,4 @@ def build_app(args: dict | None = None) -> Application:
     planner = Planner.bind(engine, config.limits.model_dump(), config.answer.model_dump(), batcher, cache,
                            config.routing_priority)
     ingress = Ingress.options(max_ongoing_requests=config.limits.max_queued_requests + INGRESS_HEADROOM)
-    return ingress.bind(planner, batcher, config.model_dump())
+    return ingress.bind(planner, batcher, config.model_dump(), cache)

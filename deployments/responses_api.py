@@ -3,8 +3,9 @@ completions this server answers: a request is read as the chat request it amount
 (or its chunks) written back as a response (or its events), streamed or not: text, `instructions`,
 `text.format` (JSON mode and structured outputs), `max_output_tokens`, function tools (the calls are
 `function_call` output items; a later request sends them back as input items, with their
-`function_call_output`s), and this server's `mode`. Nothing is stored: `previous_response_id` is a 400,
-so a conversation is sent whole as `input`."""
+`function_call_output`s), and this server's `mode`. A response is stored (unless `store` is false, see
+`deployments.response_store`) with the conversation up to it, so a later request may name it as its
+`previous_response_id` and send only what follows, and `GET` / `DELETE /v1/responses/{id}` fetch or forget it."""
 from __future__ import annotations
 
 import time
@@ -104,7 +105,10 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | dict | None = Field(
         None, description="As chat's, a named function written {'type': 'function', 'name': ...}.")
     parallel_tool_calls: bool = Field(True, description="With 'required' or 'auto': false allows one call only.")
-    previous_response_id: str | None = Field(None, description="Nothing is stored here; must be absent.")
+    previous_response_id: str | None = Field(None, description="A stored response this one follows: its conversation "
+                                             "(not its instructions) comes before this input.")
+    store: bool = Field(True, description="Keep this response, for `previous_response_id` and GET, as OpenAI does "
+                        "by default.")
     metadata: dict | None = Field(None, description="Returned as it was sent.")
     mode: RequestMode = Field("ar", description="This server's answer mode (see the chat route's `mode`).")
 
@@ -120,13 +124,6 @@ class ResponsesRequest(BaseModel):
                      for item in value]
         return value
 
-    @field_validator("previous_response_id")
-    @classmethod
-    def _nothing_stored(cls, value):
-        if value is not None:
-            raise ValueError("this server stores no responses; send the whole conversation as input")
-        return value
-
     def response_format(self) -> dict | None:
         form = (self.text or {}).get("format") or {"type": "text"}
         kind = form.get("type") if isinstance(form, dict) else None
@@ -138,21 +135,11 @@ class ResponsesRequest(BaseModel):
             return {"type": "json_schema", "json_schema": {k: v for k, v in form.items() if k != "type"}}
         raise RequestError("text.format", f"the 'text', 'json_object' and 'json_schema' formats are served, not {kind!r}")
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The chat request this amounts to (a RequestError for its format, or a pydantic ValidationError)."""
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        for item in self.input:
-            if isinstance(item, InputMessage):
-                messages.append({"role": _ROLES[item.role], "content": item.text})
-            elif isinstance(item, FunctionCallOutputItem):
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
-            else:  # calls in a row are one assistant turn's
-                call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}
-                if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
-                    messages[-1]["tool_calls"].append(call)
-                else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    def to_chat(self, history: list[dict] | None = None) -> ChatCompletionRequest:
+        """The chat request this amounts to, after `history` (the chat messages of the conversation this
+        request follows; see `conversation`): a RequestError for its format, or a pydantic ValidationError."""
+        instructions = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        messages = instructions + list(history or []) + self.input_messages()
         choice = self.tool_choice
         if isinstance(choice, dict):
             choice = {"type": "function", "function": {"name": choice.get("name")}}
@@ -165,6 +152,35 @@ class ResponsesRequest(BaseModel):
                                      temperature=self.temperature, top_p=self.top_p, stream=self.stream,
                                      stream_options={"include_usage": True} if self.stream else None,
                                      response_format=self.response_format(), mode=self.mode, **tools)
+
+    def input_messages(self) -> list[dict]:
+        """`input` as chat messages."""
+        messages = []
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                messages.append({"role": _ROLES[item.role], "content": item.text})
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            else:  # calls in a row are one assistant turn's
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                    messages[-1]["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        return messages
+
+    def conversation(self, history: list[dict] | None, response: dict) -> list[dict]:
+        """The chat messages of the conversation up to and with `response` (this request's answer), which a
+        request that follows it continues: `history`, this input, then the answer's output as one assistant
+        turn (its text, its calls). This request's instructions are left out, as OpenAI leaves them."""
+        text = "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                       for part in item["content"])
+        calls = [{"id": item["call_id"], "type": "function",
+                  "function": {"name": item["name"], "arguments": item["arguments"]}}
+                 for item in response["output"] if item["type"] == "function_call"]
+        turn = {"role": "assistant", "content": text if text or not calls else None}
+        return [*(history or []), *self.input_messages(), {**turn, **({"tool_calls": calls} if calls else {})}]
 
 
 def _usage(usage: dict | None) -> dict | None:
@@ -206,8 +222,8 @@ class ResponseWriter:
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "temperature": request.temperature, "top_p": request.top_p,
             "parallel_tool_calls": request.parallel_tool_calls, "tool_choice": request.tool_choice or "auto",
-            "tools": [t.model_dump(exclude_none=True) for t in request.tools or []], "previous_response_id": None,
-            "metadata": request.metadata or {}, "text": request.text or {"format": {"type": "text"}},
+            "tools": [t.model_dump(exclude_none=True) for t in request.tools or []], "previous_response_id": request.previous_response_id,
+            "store": request.store, "metadata": request.metadata or {}, "text": request.text or {"format": {"type": "text"}},
             "usage": _usage(usage), **(extra or {}),
         }
 

@@ -240,6 +240,12 @@ def test_the_openai_clients_responses_call_a_tool_and_answer_from_its_output(ser
     answer = client.responses.create(model="embedded:smollm2-135m", input=follow_up, tools=tools,
                                      tool_choice="none", max_output_tokens=32)
     assert "18" in answer.output_text
+    # the same turn as a follow-up of the stored response: only the call's output is sent, the rest is
+    # read from the context-cache actor, which holds every ingress replica's stored responses
+    assert client.responses.retrieve(reply.id).output[0].call_id == call.call_id
+    chained = client.responses.create(model="embedded:smollm2-135m", previous_response_id=reply.id, tools=tools,
+                                      input=follow_up[-1:], tool_choice="none", max_output_tokens=32)
+    assert "18" in chained.output_text and chained.usage.input_tokens == answer.usage.input_tokens
 
 
 def test_openai_clients_stream_helper_gathers_a_call_streamed_piece_by_piece(server):

@@ -81,7 +81,6 @@ def test_a_streamed_response_sends_openais_events_in_order_and_the_same_text(cli
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": 65}, "max_tokens"),  # past the server's limit: the service names its own field
     ({"temperature": 3}, "temperature"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"tool_choice": "required"}, "tool_choice"),  # without tools
     ({"text": {"format": {"type": "xml"}}}, "text.format"),
@@ -190,3 +189,83 @@ def test_streamed_calls_open_an_item_each_and_send_their_arguments_piece_by_piec
     final = events[-1]["response"]
     assert [item["type"] for item in final["output"]] == ["message", "function_call"]
     assert final["output"][1]["arguments"] == '{"city":"Paris"}' and final["usage"]["output_tokens"] == 9
+
+
+def _text(response: dict) -> str:
+    return response["output"][0]["content"][0]["text"]
+
+
+def test_a_follow_up_continues_the_stored_conversation_without_its_instructions(client):
+    first = _respond(client, input="baba bebe", instructions="bibi", max_output_tokens=5).json()
+    second = _respond(client, input="bobo", previous_response_id=first["id"], max_output_tokens=5).json()
+    turns = [{"role": "user", "content": "baba bebe"}, {"role": "assistant", "content": _text(first)},
+             {"role": "user", "content": "bobo"}]
+    chat = _chat(client, max_tokens=5, messages=turns).json()
+    assert _text(second) == chat["choices"][0]["message"]["content"]
+    assert second["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]  # no "bibi" system message
+    assert second["previous_response_id"] == first["id"] and second["store"] is True
+    third = _respond(client, input="bubu", previous_response_id=second["id"], max_output_tokens=5).json()
+    turns += [{"role": "assistant", "content": _text(second)}, {"role": "user", "content": "bubu"}]
+    assert _text(third) == _chat(client, max_tokens=5, messages=turns).json()["choices"][0]["message"]["content"]
+
+
+def test_a_stored_response_is_fetched_and_deleted(client):
+    created = _respond(client, max_output_tokens=4).json()
+    fetched = client.get(f"/v1/responses/{created['id']}")
+    assert fetched.status_code == 200 and fetched.json() == created
+    deleted = client.delete(f"/v1/responses/{created['id']}")
+    assert deleted.json() == {"id": created["id"], "object": "response.deleted", "deleted": True}
+    assert_refused(client.get(f"/v1/responses/{created['id']}"), 404, None, "not_found")
+    assert_refused(client.delete(f"/v1/responses/{created['id']}"), 404, None, "not_found")
+    follow_up = _respond(client, previous_response_id=created["id"])
+    assert_refused(follow_up, 400, "previous_response_id", "previous_response_not_found")
+
+
+def test_a_response_asked_not_to_be_stored_cannot_be_fetched_or_followed(client):
+    created = _respond(client, max_output_tokens=4, store=False).json()
+    assert created["store"] is False
+    assert_refused(client.get(f"/v1/responses/{created['id']}"), 404, None, "not_found")
+    follow_up = _respond(client, previous_response_id=created["id"])
+    assert_refused(follow_up, 400, "previous_response_id", "previous_response_not_found")
+
+
+def test_a_streamed_response_is_stored_as_its_last_event_gives_it(client):
+    final = _events(_respond(client, max_output_tokens=6, stream=True))[-1]["response"]
+    assert client.get(f"/v1/responses/{final['id']}").json() == final
+    follow_up = _respond(client, input="bobo", previous_response_id=final["id"], max_output_tokens=5, stream=True)
+    turns = [{"role": "user", "content": WORDS}, {"role": "assistant", "content": _text(final)},
+             {"role": "user", "content": "bobo"}]
+    chat = _chat(client, max_tokens=5, messages=turns).json()
+    assert _text(_events(follow_up)[-1]["response"]) == chat["choices"][0]["message"]["content"]
+
+
+def test_a_follow_up_after_calls_sends_only_their_outputs():
+    from deployments.responses_api import ResponsesRequest
+
+    asked = ResponsesRequest(input="weather in Paris?", instructions="be brief")
+    response = {"output": [
+        {"type": "message", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city":"Paris"}'}]}
+    history = asked.conversation(None, response)
+    assert history == [{"role": "user", "content": "weather in Paris?"},
+                       {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                           {"id": "c1", "type": "function",
+                            "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}]}]
+    chat = ResponsesRequest(input=[{"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
+                            previous_response_id="resp_x").to_chat(history)
+    assert [m.role for m in chat.messages] == ["user", "assistant", "tool"]
+    assert chat.messages[1].tool_calls[0].id == "c1" and chat.messages[2].tool_call_id == "c1"
+    only_calls = ResponsesRequest(input="x").conversation(None, {"output": [response["output"][1]]})
+    assert only_calls[-1]["content"] is None  # a turn of calls alone has no text, as chat writes it
+
+
+def test_the_openai_client_follows_up_fetches_and_deletes_responses(make_client):
+    openai_client = _openai(make_client(), api_key="x")
+    first = openai_client.responses.create(model=SERVED, input=WORDS, max_output_tokens=4)
+    second = openai_client.responses.create(model=SERVED, input="bobo", previous_response_id=first.id,
+                                            max_output_tokens=4)
+    assert second.previous_response_id == first.id and second.output_text
+    assert openai_client.responses.retrieve(first.id).output_text == first.output_text
+    openai_client.responses.delete(first.id)
+    with pytest.raises(Exception, match="404"):
+        openai_client.responses.retrieve(first.id)
