@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from deployments.response_store import ResponseStore
+from deployments.response_store import LocalResponses, ResponseStore
 from graph.context_store import ContextStore
 
 
@@ -49,13 +49,14 @@ class ContextCacheClient:
         return await self.handle.delete_response.remote(response_id)
 
 
-class ContextCache:
-    """Wrap with `serve.deployment` (num_replicas=1) or `ray.remote`."""
+class ContextCache(LocalResponses):
+    """Wrap with `serve.deployment` (num_replicas=1) or `ray.remote`. Also the stored responses'
+    `put_response` / `get_response` / `delete_response`."""
 
     def __init__(self, config: dict | None = None):
         settings = ContextCacheConfig.model_validate(config or {})
+        super().__init__(ResponseStore(settings.max_response_bytes, settings.max_responses))
         self.store = ContextStore(settings.max_bytes, settings.max_contexts)
-        self.responses = ResponseStore(settings.max_response_bytes, settings.max_responses)
 
     async def put_prefix(self, key: str, payload: list, nbytes: int, holder: str) -> list[str]:
         return self.store.put_prefix(key, payload, nbytes, holder)
@@ -75,15 +76,6 @@ class ContextCache:
 
     async def close(self, request_id: str) -> None:
         self.store.close(request_id)
-
-    async def put_response(self, response_id: str, record: dict) -> bool:
-        return self.responses.put(response_id, record)
-
-    async def get_response(self, response_id: str) -> dict | None:
-        return self.responses.get(response_id)
-
-    async def delete_response(self, response_id: str) -> bool:
-        return self.responses.delete(response_id)
 
     async def stats(self) -> dict:
         return {**self.store.stats(), **self.responses.stats()}

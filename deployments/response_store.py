@@ -61,17 +61,17 @@ class ResponseStore:
 
 
 class LocalResponses:
-    """A `ResponseStore` in this process, behind the async methods the HTTP app calls (as
-    `actors.context_cache.ContextCacheClient` offers the actor's)."""
+    """A `ResponseStore` behind the async methods the HTTP app calls: in this process, or as the
+    context-cache actor's methods (`actors.context_cache.ContextCache` is one)."""
 
-    def __init__(self, store: ResponseStore | None = None):
-        self.store = store or ResponseStore()
+    def __init__(self, responses: ResponseStore | None = None):
+        self.responses = responses or ResponseStore()
 
     async def put_response(self, response_id: str, record: dict) -> bool:
-        return self.store.put(response_id, record)
+        return self.responses.put(response_id, record)
 
     async def get_response(self, response_id: str) -> dict | None:
-        return self.store.get(response_id)
+        return self.responses.get(response_id)
 
     async def delete_response(self, response_id: str) -> bool:
-        return self.store.delete(response_id)
+        return self.responses.delete(response_id)
