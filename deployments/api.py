@@ -143,9 +143,13 @@ async def _respond(backend: CompletionBackend, records: ResponseRecords, body: R
     chat = _responses_chat(body, history)
 
     async def keep(response: dict) -> None:
-        if body.store:
+        if not body.store:
+            return
+        try:
             await records.put_response(response["id"], {"response": response,
                                                         "messages": body.conversation(history, response)})
+        except Exception:  # the answer is made: it goes out, and only a follow-up to it will be refused
+            log.exception("response %s could not be stored", response["id"])
 
     if not body.stream:
         answer = await backend.complete(chat)

@@ -269,3 +269,21 @@ def test_the_openai_client_follows_up_fetches_and_deletes_responses(make_client)
     openai_client.responses.delete(first.id)
     with pytest.raises(Exception, match="404"):
         openai_client.responses.retrieve(first.id)
+
+
+def test_an_answer_whose_storing_fails_still_goes_out(make_client):
+    class Broken:
+        async def put_response(self, response_id, record):
+            raise ConnectionError("the store's actor is gone")
+
+        async def get_response(self, response_id):
+            return None
+
+    client = make_client()
+    client.app.state.responses = Broken()
+    response = _respond(client, max_output_tokens=4)
+    assert response.status_code == 200 and _text(response.json())
+    final = _events(_respond(client, max_output_tokens=4, stream=True))[-1]
+    assert final["type"] == "response.incomplete" and _text(final["response"])
+    assert_refused(_respond(client, previous_response_id=response.json()["id"]), 400, "previous_response_id",
+                   "previous_response_not_found")
