@@ -5,9 +5,9 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Literal, Protocol
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
@@ -146,7 +146,7 @@ async def _respond(backend: CompletionBackend, records: ResponseRecords, body: R
         if not body.store:
             return
         try:
-            await records.put_response(response["id"], {"response": response,
+            await records.put_response(response["id"], {"response": response, "input": body.listed_input(),
                                                         "messages": body.conversation(history, response)})
         except Exception:  # the answer is made: it goes out, and only a follow-up to it will be refused
             log.exception("response %s could not be stored", response["id"])
@@ -219,6 +219,22 @@ def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str, request: Request):
         return (await _stored(request.app.state.responses, response_id, None))["response"]
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
+                          order: Literal["asc", "desc"] = "desc", after: str | None = None):
+        """A stored response's own input items (not those of the responses it follows), a page at a time."""
+        items = (await _stored(request.app.state.responses, response_id, None)).get("input", [])
+        items = items if order == "asc" else items[::-1]
+        start = 0
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise RequestError("after", f"no input item of response {response_id!r} has id {after!r}")
+            start = ids.index(after) + 1
+        page = items[start:start + limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request):

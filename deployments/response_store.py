@@ -1,8 +1,8 @@
 """Stored responses of the Responses API, so that a request may name the one it follows
 (`previous_response_id`) rather than send the whole conversation again, and a client may fetch or
-delete one (`GET` / `DELETE /v1/responses/{id}`). Each record holds the response as it was returned and
-the conversation up to it as chat messages (the earlier turns, this request's input, the answer), so a
-follow-up reads one record, however long the conversation. Ray-free: in the Serve app the context-cache
+delete one (`GET` / `DELETE /v1/responses/{id}`, and its input items). Each record holds the response as
+it was returned, its input items as listed, and the conversation up to it as chat messages (the earlier
+turns, this request's input, the answer), so a follow-up reads one record, however long the conversation. Ray-free: in the Serve app the context-cache
 actor (`actors.context_cache`) holds one, which every ingress replica reaches; in one process
 `LocalResponses` does. Memory-bound, least recently used out first, as OpenAI's own store forgets
 responses after a while: a follow-up to a forgotten one is a 400 that says so."""

@@ -170,6 +170,22 @@ class ResponsesRequest(BaseModel):
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         return messages
 
+    def listed_input(self) -> list[dict]:
+        """`input` as the Responses API lists a stored response's input items, each with an id of its own."""
+        items = []
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                kind = "output_text" if item.role == "assistant" else "input_text"
+                items.append({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": item.role,
+                              "status": "completed", "content": [{"type": kind, "text": item.text}]})
+            elif isinstance(item, FunctionCallItem):
+                items.append({"id": f"fc_{item.call_id}", "type": "function_call", "call_id": item.call_id,
+                              "name": item.name, "arguments": item.arguments, "status": "completed"})
+            else:
+                items.append({"id": f"fco_{uuid.uuid4().hex}", "type": "function_call_output",
+                              "call_id": item.call_id, "output": item.output, "status": "completed"})
+        return items
+
     def conversation(self, history: list[dict] | None, response: dict) -> list[dict]:
         """The chat messages of the conversation up to and with `response` (this request's answer), which a
         request that follows it continues: `history`, this input, then the answer's output as one assistant

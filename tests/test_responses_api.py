@@ -287,3 +287,37 @@ def test_an_answer_whose_storing_fails_still_goes_out(make_client):
     assert final["type"] == "response.incomplete" and _text(final["response"])
     assert_refused(_respond(client, previous_response_id=response.json()["id"]), 400, "previous_response_id",
                    "previous_response_not_found")
+
+
+def test_a_stored_responses_input_items_are_listed_a_page_at_a_time(client):
+    asked = [{"role": "user", "content": "baba"}, {"role": "assistant", "content": "bebe"},
+             {"role": "user", "content": "bibi"}]
+    created = _respond(client, input=asked, max_output_tokens=3).json()
+    path = f"/v1/responses/{created['id']}/input_items"
+    newest_first = client.get(path).json()
+    assert newest_first["object"] == "list" and newest_first["has_more"] is False
+    assert [(i["role"], i["content"][0]["text"]) for i in newest_first["data"]] == [
+        ("user", "bibi"), ("assistant", "bebe"), ("user", "baba")]
+    assert newest_first["data"][1]["content"][0]["type"] == "output_text"
+    first = client.get(path, params={"order": "asc", "limit": 2}).json()
+    assert [i["content"][0]["text"] for i in first["data"]] == ["baba", "bebe"] and first["has_more"] is True
+    assert first["last_id"] == first["data"][-1]["id"]
+    rest = client.get(path, params={"order": "asc", "limit": 2, "after": first["last_id"]}).json()
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["bibi"] and rest["has_more"] is False
+    assert_refused(client.get(path, params={"after": "msg_nothing"}), 400, "after")
+    assert client.get(path, params={"limit": 0}).status_code == 400
+    assert_refused(client.get("/v1/responses/resp_nothing/input_items"), 404, None, "not_found")
+
+
+def test_input_items_keep_calls_and_their_outputs_and_the_sdk_lists_them(make_client):
+    from deployments.responses_api import ResponsesRequest
+
+    listed = ResponsesRequest(input=[
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]).listed_input()
+    assert [(i["type"], i["call_id"]) for i in listed] == [("function_call", "c1"), ("function_call_output", "c1")]
+    assert listed[0]["id"] == "fc_c1" and listed[1]["output"] == "sunny"
+    openai_client = _openai(make_client(), api_key="x")
+    created = openai_client.responses.create(model=SERVED, input=WORDS, max_output_tokens=3)
+    [item] = list(openai_client.responses.input_items.list(created.id))
+    assert item.type == "message" and item.content[0].text == WORDS
