@@ -15,11 +15,11 @@ from engine.base import Engine
 from engine.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
 from engine.constraints import TokenConstraint, make_constraint
 from engine.copies import CopyGuard
-from engine.openings import OpeningGuard
 from engine.detokenize import IncrementalDetokenizer
 from engine.drafts import PredictionDrafts, lookup_draft
 from engine.loops import LoopDetector
 from engine.llama import LlamaRunner, LogitRows, PrefillItem
+from engine.openings import OpeningGuard
 from engine.prefix_cache import PrefixCache, PrefixEntry, PrefixHandle, common_length
 from engine.sampling import make_generator, sample, token_logprobs
 from engine.sentences import sentence_end
@@ -576,6 +576,8 @@ class LLMEngine(Engine):
         """One guard per word list, kept: every node of every planned answer asks for the same words."""
         guard = self._opening_guards.get(words)
         if guard is None:
+            if len(self._opening_guards) >= 64:  # word lists that vary per request would otherwise pile up
+                self._opening_guards.clear()
             guard = self._opening_guards[words] = OpeningGuard.for_words(words, self.tokenizer)
         return guard
 
