@@ -224,14 +224,13 @@ def create_app(backend: CompletionBackend, *, api_key: str | None, max_in_flight
     async def input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
                           order: Literal["asc", "desc"] = "desc", after: str | None = None):
         """A stored response's own input items (not those of the responses it follows), a page at a time."""
-        items = (await _stored(request.app.state.responses, response_id, None)).get("input", [])
+        items = (await _stored(request.app.state.responses, response_id, None))["input"]
         items = items if order == "asc" else items[::-1]
         start = 0
         if after is not None:
-            ids = [item["id"] for item in items]
-            if after not in ids:
+            start = next((i + 1 for i, item in enumerate(items) if item["id"] == after), None)
+            if start is None:
                 raise RequestError("after", f"no input item of response {response_id!r} has id {after!r}")
-            start = ids.index(after) + 1
         page = items[start:start + limit]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}

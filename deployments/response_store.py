@@ -2,10 +2,11 @@
 (`previous_response_id`) rather than send the whole conversation again, and a client may fetch or
 delete one (`GET` / `DELETE /v1/responses/{id}`, and its input items). Each record holds the response as
 it was returned, its input items as listed, and the conversation up to it as chat messages (the earlier
-turns, this request's input, the answer), so a follow-up reads one record, however long the conversation. Ray-free: in the Serve app the context-cache
-actor (`actors.context_cache`) holds one, which every ingress replica reaches; in one process
-`LocalResponses` does. Memory-bound, least recently used out first, as OpenAI's own store forgets
-responses after a while: a follow-up to a forgotten one is a 400 that says so."""
+turns, this request's input, the answer), so a follow-up reads one record, however long the
+conversation. Ray-free: in the Serve app the context-cache actor (`actors.context_cache`) holds one,
+which every ingress replica reaches; in one process `LocalResponses` does. Memory-bound, least recently
+used out first, as OpenAI's own store forgets responses after a while: a follow-up to a forgotten one is
+a 400 that says so."""
 from __future__ import annotations
 
 import json

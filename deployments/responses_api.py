@@ -162,8 +162,7 @@ class ResponsesRequest(BaseModel):
             elif isinstance(item, FunctionCallOutputItem):
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
             else:  # calls in a row are one assistant turn's
-                call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}
+                call = _chat_call(item.call_id, item.name, item.arguments)
                 if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
                     messages[-1]["tool_calls"].append(call)
                 else:
@@ -179,8 +178,7 @@ class ResponsesRequest(BaseModel):
                 items.append({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": item.role,
                               "status": "completed", "content": [{"type": kind, "text": item.text}]})
             elif isinstance(item, FunctionCallItem):
-                items.append({"id": f"fc_{item.call_id}", "type": "function_call", "call_id": item.call_id,
-                              "name": item.name, "arguments": item.arguments, "status": "completed"})
+                items.append(ResponseWriter.call(item.call_id, item.name, item.arguments))
             else:
                 items.append({"id": f"fco_{uuid.uuid4().hex}", "type": "function_call_output",
                               "call_id": item.call_id, "output": item.output, "status": "completed"})
@@ -192,11 +190,15 @@ class ResponsesRequest(BaseModel):
         turn (its text, its calls). This request's instructions are left out, as OpenAI leaves them."""
         text = "".join(part["text"] for item in response["output"] if item["type"] == "message"
                        for part in item["content"])
-        calls = [{"id": item["call_id"], "type": "function",
-                  "function": {"name": item["name"], "arguments": item["arguments"]}}
+        calls = [_chat_call(item["call_id"], item["name"], item["arguments"])
                  for item in response["output"] if item["type"] == "function_call"]
         turn = {"role": "assistant", "content": text if text or not calls else None}
         return [*(history or []), *self.input_messages(), {**turn, **({"tool_calls": calls} if calls else {})}]
+
+
+def _chat_call(call_id: str, name: str, arguments: str) -> dict:
+    """A function call as a chat assistant turn lists it."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _usage(usage: dict | None) -> dict | None:
@@ -238,8 +240,9 @@ class ResponseWriter:
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "temperature": request.temperature, "top_p": request.top_p,
             "parallel_tool_calls": request.parallel_tool_calls, "tool_choice": request.tool_choice or "auto",
-            "tools": [t.model_dump(exclude_none=True) for t in request.tools or []], "previous_response_id": request.previous_response_id,
-            "store": request.store, "metadata": request.metadata or {}, "text": request.text or {"format": {"type": "text"}},
+            "tools": [t.model_dump(exclude_none=True) for t in request.tools or []],
+            "previous_response_id": request.previous_response_id, "store": request.store,
+            "metadata": request.metadata or {}, "text": request.text or {"format": {"type": "text"}},
             "usage": _usage(usage), **(extra or {}),
         }
 
